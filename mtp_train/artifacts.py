@@ -1,0 +1,69 @@
+"""Artifacts on disk: manifests keyed by a config hash, written atomically.
+
+A stage is up to date when its output directory holds a manifest whose `config_hash` equals the hash
+of the inputs that produced it; anything else (missing, half-written, other inputs) is rebuilt.
+Directories are written under a temporary name and renamed into place, so a killed run never leaves a
+directory that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able object (key order does not matter)."""
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None when it is missing or half-written."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def read_manifest(directory: Path) -> dict | None:
+    return read_json(Path(directory) / MANIFEST)
+
+
+def is_up_to_date(directory: Path, wanted_hash: str) -> bool:
+    m = read_manifest(directory)
+    return m is not None and m.get("config_hash") == wanted_hash
+
+
+def temp_dir_for(final: Path) -> Path:
+    final = Path(final)
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Move a finished temporary directory into place, replacing an older version."""
+    final = Path(final)
+    if final.exists():
+        old = final.with_name(final.name + f".old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)

