@@ -141,7 +141,7 @@ class DistillConfig:
     shard_size: int = 64
     max_train_prompts: int | None = None  # None: every train prompt
     max_val_prompts: int | None = None
-    autocast: str = "bfloat16"  # float32 = no autocast
+    autocast: str = "auto"  # auto: bfloat16 where the hardware has it (CUDA, AVX512-BF16/AMX CPUs), else float32
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -152,7 +152,7 @@ class DistillConfig:
             _check(v is None or v >= 0, f"data.distill.{name}", "must be >= 0 or null")
         _check(self.temperature > 0, "data.distill.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
-        _choice(self.autocast, DTYPES, "data.distill.autocast")
+        _choice(self.autocast, ("auto", *DTYPES), "data.distill.autocast")
 
 
 @dataclass

@@ -34,7 +34,6 @@ def entry(task):
             typed = validate(cfg)
             return task(cfg, typed)
         except MtpError as e:
-            log.error("%s", e)
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
 

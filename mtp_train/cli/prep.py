@@ -67,8 +67,9 @@ def _stage_data(cfg: Config) -> dict:
                         keep_prompt_only=cfg.data.distill.enabled, force=cfg.force)
     c = m["counts"]
     return {"where": str(labelled_dir(cfg)),
-            "rows": f"{c['complete_conversations']:,} complete conversations, {c['sampled']:,} used, "
-                    f"{c['kept']:,} kept (train {m['splits']['train']:,} / val {m['splits']['validation']:,})",
+            "rows": f"{c['complete_records']:,} complete conversations in the source, "
+                    f"{c['usable']:,} usable, {c['sampled']:,} sampled, {c['kept']:,} kept "
+                    f"(train {m['splits']['train']:,} / val {m['splits']['validation']:,})",
             "tokens": f"{m['assistant_tokens']['train']:,} assistant tokens of {m['tokens']['train']:,} (train)"}
 
 

@@ -1,0 +1,44 @@
+"""Shared fixtures: Hydra composition against conf/, the tiny backbone built in code."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from mtp_train.cli.common import CONF_DIR  # registers the schemas
+from mtp_train.config import BackboneConfig, TinyBackboneConfig, validate
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def compose_cfg(tmp_path):
+    """compose_cfg(*overrides) -> DictConfig, with every path under tmp_path."""
+
+    def _compose(*overrides):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose(config_name="config", overrides=[
+                f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/out", *overrides])
+
+    return _compose
+
+
+@pytest.fixture
+def typed_cfg(compose_cfg):
+    return lambda *overrides: validate(compose_cfg(*overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone():
+    from mtp_train.backbone import load_backbone
+
+    return load_backbone(BackboneConfig(name="tiny-llama", source="tiny", tiny=TinyBackboneConfig()))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from mtp_train.backbone import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()

@@ -1,0 +1,123 @@
+"""Config tree: every experiment and group option composes; bad values fail naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from mtp_train.cli.common import CONF_DIR
+from mtp_train.config import validate
+from mtp_train.errors import ConfigError
+
+EXPERIMENTS = sorted(p.stem for p in Path(CONF_DIR, "experiment").glob("*.yaml"))
+GROUP_OPTIONS = [(g, p.stem) for g in ("backbone", "heads", "loss", "data", "trainer", "logger")
+                 for p in sorted(Path(CONF_DIR, g).glob("*.yaml"))]
+NEEDS = {("backbone", "hf"): ["backbone.name=my-llm", "backbone.path=/models/llm"],
+         ("data", "jsonl"): ["data.path=/tmp/x.jsonl"], ("data", "disk"): ["data.path=/tmp/ds"]}
+
+
+def test_experiments_exist():
+    assert "smollm2_demo" in EXPERIMENTS
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("backbone", ["smollm2", "tiny"])
+def test_every_experiment_composes_and_validates(compose_cfg, experiment, backbone):
+    cfg = validate(compose_cfg(f"experiment={experiment}", f"backbone={backbone}"))
+    assert cfg.experiment_name == experiment
+    assert cfg.heads.k >= 1
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_composes(compose_cfg, group, option):
+    cfg = validate(compose_cfg(f"{group}={option}", *NEEDS.get((group, option), [])))
+    assert cfg is not None
+
+
+def test_default_is_the_demo_on_smollm2_and_sharegpt(typed_cfg):
+    cfg = typed_cfg()
+    assert cfg.experiment_name == "smollm2_demo"
+    assert (cfg.backbone.source, cfg.data.source) == ("gguf", "sharegpt")
+    assert cfg.heads.type == "chained" and cfg.loss.name == "e2e_tv"
+
+
+def test_tiny_backbone_brings_its_own_data(typed_cfg):
+    cfg = typed_cfg("backbone=tiny")
+    assert cfg.backbone.source == "tiny" and cfg.data.source == "tiny"
+    # ...unless the user asks for other data
+    assert typed_cfg("backbone=tiny", "data=sharegpt").data.source == "sharegpt"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("heads.k=0", "heads.k"),
+    ("heads.k=-2", "heads.k"),
+    ("heads.type=eagle", "heads.type"),
+    ("heads.lm_head=tied", "heads.lm_head"),
+    ("loss.name=mse", "loss.name"),
+    ("loss.segment_rule=magic", "loss.segment_rule"),
+    ("loss.depth_weights=[1.0,0.5]", "loss.depth_weights"),  # k=3 needs three
+    ("data.max_length=-5", "data.max_length"),
+    ("data.max_conversations=0", "data.max_conversations"),
+    ("data.val_fraction=1.5", "data.val_fraction"),
+    ("data.distill.max_new_tokens=0", "data.distill.max_new_tokens"),
+    ("data.distill.max_prompt_tokens=-1", "data.distill.max_prompt_tokens"),
+    ("data.distill.top_p=0", "data.distill.top_p"),
+    ("backbone.dtype=int8", "backbone.dtype"),
+    ("data.max_length=3", "heads.k"),  # k=3 leaves no target in 3 tokens
+])
+def test_bad_values_are_rejected_naming_the_key(typed_cfg, override, key):
+    with pytest.raises(ConfigError) as err:
+        typed_cfg(override)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_jsonl_without_path_is_rejected(typed_cfg):
+    with pytest.raises(ConfigError, match="data.path"):
+        typed_cfg("data=jsonl")
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("heads.k=abc", "heads.k"),
+    ("data.max_length=long", "data.max_length"),
+])
+def test_wrong_types_fail_at_compose_naming_the_key(compose_cfg, override, expected):
+    with pytest.raises((ConfigCompositionException, ValidationError)) as err:
+        compose_cfg(override)
+    assert expected in str(err.value) or expected in str(err.value.__cause__)
+
+
+def test_unknown_key_fails_at_compose(compose_cfg):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as err:
+        compose_cfg("heads.depth=3")
+    assert "depth" in str(err.value) or "depth" in str(err.value.__cause__)
+
+
+def _run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_bad_value_is_one_clear_line(tmp_path):
+    r = _run("mtp_train.cli.prep", "backbone=tiny", "heads.k=0", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "heads.k: must be >= 1" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_cli_unknown_stage_names_the_key(tmp_path):
+    r = _run("mtp_train.cli.prep", "backbone=tiny", "stage=train", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "stage: mtp-prep has no stage 'train'" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("module", ["prep", "train", "clp", "eval"])
+def test_every_entry_point_composes_the_config(tmp_path, module):
+    r = _run(f"mtp_train.cli.{module}", "backbone=tiny", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "tiny-llama" in r.stdout and "experiment_name: smollm2_demo" in r.stdout
