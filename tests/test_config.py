@@ -121,3 +121,13 @@ def test_every_entry_point_composes_the_config(tmp_path, module):
     r = _run(f"mtp_train.cli.{module}", "backbone=tiny", "--cfg", "job", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "tiny-llama" in r.stdout and "experiment_name: smollm2_demo" in r.stdout
+
+
+def test_slurm_launcher_composes():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "backbone=tiny"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.timeout_min > 0

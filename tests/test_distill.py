@@ -1,0 +1,152 @@
+"""Self-distillation on the tiny backbone: the rows are the backbone's own greedy text, and a killed
+run resumes to exactly the rows of an uninterrupted one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mtp_train.config import DataConfig, DistillConfig
+from mtp_train.data import distill as distill_mod
+from mtp_train.data.build import prepare_dataset
+from mtp_train.data.template import IGNORE, render_prompt
+
+DCFG = DistillConfig(max_new_tokens=12, max_prompt_tokens=112, batch_size=4, shard_size=8,
+                     max_train_prompts=20, max_val_prompts=6, autocast="float32")
+
+
+@pytest.fixture
+def labelled(tmp_path, tiny_tokenizer):
+    cfg = DataConfig(name="tiny", source="tiny", tiny_rows=40, max_length=128, val_fraction=0.2,
+                     output_dir=str(tmp_path / "labelled"))
+    manifest = prepare_dataset(cfg, tiny_tokenizer)
+    return cfg, manifest
+
+
+def _rows(path):
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(path))
+    return {s: ds[s].to_list() for s in ds}
+
+
+def test_data_stage_manifest_and_skip(labelled, tiny_tokenizer, caplog):
+    cfg, m = labelled
+    assert m["counts"]["kept"] == 40 and m["splits"] == {"train": 32, "validation": 8}
+    assert m["tokenizer"]["vocab_size"] == len(tiny_tokenizer) and m["max_length"] == 128
+    again = prepare_dataset(cfg, tiny_tokenizer)
+    assert again["config_hash"] == m["config_hash"]
+    changed = prepare_dataset(dataclasses.replace(cfg, max_length=96), tiny_tokenizer)
+    assert changed["config_hash"] != m["config_hash"] and changed["max_length"] == 96
+
+
+def test_split_is_deterministic_by_seed(tmp_path, tiny_tokenizer):
+    def ids(seed, name):
+        cfg = DataConfig(name="t", source="tiny", tiny_rows=40, max_length=128, val_fraction=0.2,
+                         seed=seed, output_dir=str(tmp_path / name))
+        prepare_dataset(cfg, tiny_tokenizer)
+        return [r["id"] for r in _rows(tmp_path / name)["validation"]]
+
+    assert ids(0, "a") == ids(0, "b")
+    assert ids(0, "a") != ids(1, "c")
+
+
+def test_distilled_rows_are_the_backbones_greedy_answers(tmp_path, labelled, tiny_backbone):
+    cfg, _ = labelled
+    m = distill_mod.distill(tmp_path / "labelled", tmp_path / "out", tiny_backbone, DCFG, 128)
+    assert m["splits"] == {"train": 20, "validation": 6}
+    rows = _rows(tmp_path / "out")
+    tok, model = tiny_backbone.tokenizer, tiny_backbone.model
+    for r in rows["train"][:8]:
+        prompt = render_prompt(tok, r["messages"][:-1])
+        n = len(prompt)
+        assert r["input_ids"][:n] == prompt
+        assert r["labels"][:n] == [IGNORE] * n and r["labels"][n:] == r["input_ids"][n:]
+        assert 0 < r["num_assistant_tokens"] <= DCFG.max_new_tokens
+        # every answer token is the argmax of the backbone given what precedes it (greedy)
+        with torch.no_grad():
+            logits = model(torch.tensor([r["input_ids"]])).logits[0]
+        for t in range(n, len(r["input_ids"])):
+            top2 = logits[t - 1].topk(2)
+            if top2.values[0] - top2.values[1] > 1e-4:  # ignore float near-ties from batching
+                assert r["input_ids"][t] == top2.indices[0].item(), (r["id"], t)
+    assert rows["train"][0]["messages"][-1]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_kill_and_resume_gives_exactly_the_uninterrupted_rows(tmp_path, labelled, tiny_backbone,
+                                                              monkeypatch, do_sample):
+    dcfg = dataclasses.replace(DCFG, do_sample=do_sample, temperature=1.0)
+    src = tmp_path / "labelled"
+    distill_mod.distill(src, tmp_path / "straight", tiny_backbone, dcfg, 128)
+
+    real_save, real_gen = distill_mod._save_shard, distill_mod._generate_shard
+    saved, generated = [], []
+
+    def dying_save(*args, **kw):
+        if len(saved) == 2:
+            raise KeyboardInterrupt("killed")  # dies after two finished shards
+        saved.append(args[1])
+        return real_save(*args, **kw)
+
+    monkeypatch.setattr(distill_mod, "_save_shard", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        distill_mod.distill(src, tmp_path / "resumed", tiny_backbone, dcfg, 128)
+    shards = tmp_path / "resumed.shards"
+    assert sorted(p.name for p in shards.iterdir() if p.is_dir()) == ["train-00000", "train-00001"]
+    assert not (tmp_path / "resumed").exists()
+
+    def counting_gen(*args, **kw):
+        generated.append(kw["seed"])
+        return real_gen(*args, **kw)
+
+    monkeypatch.setattr(distill_mod, "_save_shard", real_save)
+    monkeypatch.setattr(distill_mod, "_generate_shard", counting_gen)
+    distill_mod.distill(src, tmp_path / "resumed", tiny_backbone, dcfg, 128)
+    assert len(generated) == 2  # of 4 shards (3 train, 1 validation), the last two
+    assert _rows(tmp_path / "resumed") == _rows(tmp_path / "straight")
+    assert not shards.exists()
+
+
+def test_changed_settings_discard_old_shards(tmp_path, labelled, tiny_backbone, monkeypatch):
+    src = tmp_path / "labelled"
+    calls = []
+    real_save = distill_mod._save_shard
+
+    def dying_save(*args, **kw):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_save(*args, **kw)
+
+    monkeypatch.setattr(distill_mod, "_save_shard", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        distill_mod.distill(src, tmp_path / "out", tiny_backbone, DCFG, 128)
+    monkeypatch.setattr(distill_mod, "_save_shard", real_save)
+    other = dataclasses.replace(DCFG, max_new_tokens=5)
+    m = distill_mod.distill(src, tmp_path / "out", tiny_backbone, other, 128)
+    assert m["generation"]["max_new_tokens"] == 5
+    assert max(r["num_assistant_tokens"] for r in _rows(tmp_path / "out")["train"]) <= 5
+
+
+def test_up_to_date_distillation_is_skipped(tmp_path, labelled, tiny_backbone, monkeypatch):
+    src = tmp_path / "labelled"
+    first = distill_mod.distill(src, tmp_path / "out", tiny_backbone, DCFG, 128)
+
+    def boom(*a, **k):
+        raise AssertionError("should not generate again")
+
+    monkeypatch.setattr(distill_mod, "_generate_shard", boom)
+    again = distill_mod.distill(src, tmp_path / "out", tiny_backbone, DCFG, 128)
+    assert again["config_hash"] == first["config_hash"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["source_hash"] and manifest["backbone"] == "tiny-llama"
+
+
+def test_long_prompts_are_skipped_and_counted(tmp_path, labelled, tiny_backbone):
+    dcfg = dataclasses.replace(DCFG, max_prompt_tokens=60)  # every tiny prompt is longer
+    with pytest.raises(Exception, match="no prompt"):
+        distill_mod.distill(tmp_path / "labelled", tmp_path / "out", tiny_backbone, dcfg, 128)

@@ -1,0 +1,140 @@
+"""Conversation sources: ShareGPT salvage from a truncated file, JSONL bad rows, filters."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from mtp_train.data import sources
+from mtp_train.errors import DataError
+
+
+def _record(i, turns):
+    return {"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+GOOD = [
+    _record(0, [("human", "Hi"), ("gpt", "Hello!")]),
+    _record(1, [("system", "Be brief."), ("human", "2+2?"), ("gpt", "4"), ("human", "3+3?"), ("gpt", "6")]),
+    _record(2, [("gpt", "leading answer"), ("human", "Why?"), ("gpt", "Because.")]),
+    _record(3, [("human", ""), ("gpt", "answer to nothing")]),  # empty prompt
+    _record(4, [("human", "only a question")]),  # no assistant turn
+    _record(5, []),  # no user turn
+    _record(6, [("human", "Q"), ("gpt", "A"), ("human", "follow-up"), ("gpt", "")]),  # empty last turn
+]
+
+
+def _write_truncated_array(path, records, cut_last_at=40):
+    """A pretty-printed JSON array whose last record is cut mid-way, like the bundled ShareGPT file."""
+    body = json.dumps(records, indent=2)
+    last = json.dumps(_record(99, [("human", "this record is cut off"), ("gpt", "never finished")]), indent=2)
+    text = body[:-2] + ",\n" + "\n".join("  " + ln for ln in last.splitlines())[:cut_last_at]
+    path.write_text(text)
+    return path
+
+
+def test_sharegpt_salvage_keeps_complete_records_and_counts_the_cut_one(tmp_path):
+    path = _write_truncated_array(tmp_path / "sg.json", GOOD)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text())  # the file really is broken
+    stats = sources.SourceStats()
+    convs = list(sources.read_sharegpt(path, stats, keep_prompt_only=False))
+    assert stats.parsed == len(GOOD)
+    assert stats.dropped["truncated record at end of file"] == 1
+    assert stats.dropped["empty prompt"] == 1
+    assert stats.dropped["no assistant turn"] == 1
+    assert stats.dropped["no user turn"] == 1
+    assert [c["id"] for c in convs] == ["c0", "c1", "c2", "c6"]
+    assert convs[1]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert [m["role"] for m in convs[2]["messages"]] == ["user", "assistant"]  # leading answer dropped
+    assert [m["content"] for m in convs[3]["messages"]] == ["Q", "A"]  # cut before the empty turn
+
+
+def test_sharegpt_prompt_only_rows_are_kept_for_self_distillation(tmp_path):
+    path = _write_truncated_array(tmp_path / "sg.json", GOOD)
+    stats = sources.SourceStats()
+    ids = [c["id"] for c in sources.read_sharegpt(path, stats, keep_prompt_only=True)]
+    assert "c4" in ids and "no assistant turn" not in stats.dropped
+
+
+def test_sharegpt_malformed_middle_record_is_skipped_with_its_line(tmp_path):
+    good = json.dumps(GOOD[:2], indent=2)
+    broken = good.replace('"value": "Hello!"', '"value": "Hello!" "oops": 1', 1)
+    path = tmp_path / "sg.json"
+    path.write_text(broken)
+    stats = sources.SourceStats()
+    convs = list(sources.read_sharegpt(path, stats, keep_prompt_only=False))
+    assert [c["id"] for c in convs] == ["c1"]
+    assert stats.dropped["malformed JSON record"] == 1
+    assert stats.bad_lines == [2]  # the record opens on line 2
+
+
+def test_sharegpt_file_with_nothing_parseable_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('[\n  {"id": "x", "conversations": [')
+    with pytest.raises(DataError, match="broken.json"):
+        list(sources.read_sharegpt(path, sources.SourceStats(), False))
+    path.write_text("{}")
+    with pytest.raises(DataError, match="not a JSON array"):
+        list(sources.read_sharegpt(path, sources.SourceStats(), False))
+
+
+def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
+    from mtp_train.config import DataConfig
+    from mtp_train.data.build import _report_source
+
+    lines = [
+        json.dumps({"prompt": "What is 1+1?", "response": "2"}),
+        '{"prompt": "truncated',
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"}]}),
+        "",
+        "not json at all",
+        json.dumps({"text": "no known field"}),
+        json.dumps({"prompt": "   ", "response": "x"}),
+        json.dumps({"prompt": "prompt without answer"}),
+    ]
+    path = tmp_path / "user.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    stats = sources.SourceStats()
+    convs = list(sources.read_jsonl(path, stats, keep_prompt_only=False))
+    assert [c["messages"][-1]["content"] for c in convs] == ["2", "hey"]
+    assert stats.dropped["malformed JSON line"] == 2
+    assert stats.bad_lines == [2, 5, 6]
+    assert stats.dropped['row without "prompt" or "messages"'] == 1
+    assert stats.dropped["empty prompt"] == 1
+    assert stats.dropped["no assistant turn"] == 1
+    with caplog.at_level(logging.WARNING):
+        _report_source(DataConfig(name="j", source="jsonl", path=str(path), output_dir="x"), stats, 2)
+    assert "skipped 2 unparseable record(s)" in caplog.text and "line(s) 2, 5" in caplog.text
+
+
+def test_jsonl_where_nothing_parses_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "garbage.jsonl"
+    path.write_text("nope\n{broken\n")
+    with pytest.raises(DataError, match="garbage.jsonl"):
+        list(sources.read_jsonl(path, sources.SourceStats(), False))
+    with pytest.raises(DataError, match="does not exist"):
+        list(sources.read_jsonl(tmp_path / "missing.jsonl", sources.SourceStats(), False))
+
+
+def test_disk_dataset_source(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([
+        {"prompt": "a?", "response": "b"}, {"prompt": "", "response": "c"},
+    ]).save_to_disk(str(tmp_path / "ds"))
+    stats = sources.SourceStats()
+    convs = list(sources.read_disk(tmp_path / "ds", stats, False))
+    assert len(convs) == 1 and stats.dropped["empty prompt"] == 1
+    Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match="needs a 'messages'"):
+        list(sources.read_disk(tmp_path / "bad", sources.SourceStats(), False))
+
+
+def test_tiny_conversations_are_deterministic():
+    a = sources.make_tiny_conversations(20, seed=1)
+    assert a == sources.make_tiny_conversations(20, seed=1)
+    assert a != sources.make_tiny_conversations(20, seed=2)
+    assert all(c["messages"][-1]["role"] == "assistant" for c in a)
