@@ -1,0 +1,1 @@
+"""Data: conversation sources, chat templating with assistant-only labels, self-distillation."""

