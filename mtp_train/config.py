@@ -106,6 +106,8 @@ class HeadsConfig:
         _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
         _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
         _choice(self.lm_head, ("shared", "copy"), "heads.lm_head")
+        _check(not (self.type == "chained" and self.lm_head == "copy"), "heads.lm_head",
+               "chained MTP modules share the backbone's LM head; lm_head=copy is for medusa")
 
 
 @dataclass
