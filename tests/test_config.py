@@ -58,6 +58,7 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("heads.k=-2", "heads.k"),
     ("heads.type=eagle", "heads.type"),
     ("heads.lm_head=tied", "heads.lm_head"),
+    ("heads.lm_head=copy", "heads.lm_head"),  # chained modules share the LM head
     ("loss.name=mse", "loss.name"),
     ("loss.segment_rule=magic", "loss.segment_rule"),
     ("loss.depth_weights=[1.0,0.5]", "loss.depth_weights"),  # k=3 needs three

@@ -14,8 +14,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from mtp_train.artifacts import MANIFEST, config_hash, is_up_to_date, publish_dir, read_manifest
-from mtp_train.artifacts import temp_dir_for, write_json_atomic
+from mtp_train.artifacts import (
+    MANIFEST,
+    config_hash,
+    is_up_to_date,
+    publish_dir,
+    read_manifest,
+    temp_dir_for,
+    write_json_atomic,
+)
 from mtp_train.config import DataConfig
 from mtp_train.data import sources
 from mtp_train.data.template import render_batch

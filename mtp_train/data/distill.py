@@ -22,9 +22,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mtp_train.artifacts import MANIFEST, config_hash, is_up_to_date, publish_dir, read_json
-from mtp_train.artifacts import read_manifest
-from mtp_train.artifacts import temp_dir_for, write_json_atomic
+from mtp_train.artifacts import (
+    MANIFEST,
+    config_hash,
+    is_up_to_date,
+    publish_dir,
+    read_json,
+    read_manifest,
+    temp_dir_for,
+    write_json_atomic,
+)
 from mtp_train.config import DistillConfig
 from mtp_train.data.build import tokenizer_identity
 from mtp_train.data.template import IGNORE, render_prompt

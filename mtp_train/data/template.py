@@ -60,7 +60,8 @@ def render_batch(tokenizer, conversations: list[list[dict]], max_length: int):
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
                     truncation=True, max_length=max_length)
     input_ids, labels = [], []
-    for msgs, text, ids, offsets in zip(conversations, texts, enc["input_ids"], enc["offset_mapping"]):
+    for msgs, text, ids, offsets in zip(conversations, texts, enc["input_ids"],
+                                        enc["offset_mapping"], strict=True):
         limit = offsets[-1][1] if offsets else 0  # truncation ends the text here
         spans = assistant_char_spans(tokenizer, msgs, text, limit)
         input_ids.append(list(ids))
