@@ -1,0 +1,90 @@
+"""Chained MTP modules (DeepSeek-V3 technical report, section 2.2; "Match the Distribution").
+
+Module j (1..k) at position t combines the previous depth's hidden state (the backbone's h_t for
+j=1) with the embedding of the token one step ahead of it, x_{t+j}:
+
+    x = W_j [RMSNorm(emb(x_{t+j})); RMSNorm(h^{j-1}_t)]        W_j: 2d -> d, [emb; h] order as released
+    h^j = Block_j(x)                                            one causal transformer layer + norm
+    logits = lm_head(h^j)                                       the backbone's shared LM head
+
+and drafts token t+1+j; module j+1 consumes h^j. Training feeds the ground-truth tokens (teacher
+forcing); decoding feeds the tokens just drafted, and each module keeps its own KV cache.
+
+The block is a one-layer model of the backbone's own architecture (built from its config with
+`num_hidden_layers=1` and no embedding table), so rotary embeddings, attention masks and caches are
+the backbone's own code. By default it starts as a copy of the backbone's last layer and final norm,
+and W_j starts as [0 | I] (the module first sees the backbone's hidden state alone): on little data
+that is a far better start than random weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def one_layer_model(backbone_config, init_from: nn.Module | None = None) -> nn.Module:
+    """A base model of the backbone's architecture with one layer and no embedding table."""
+    from transformers import AutoModel
+
+    cfg = copy.deepcopy(backbone_config)
+    cfg.num_hidden_layers = 1
+    if hasattr(cfg, "layer_types") and cfg.layer_types:
+        cfg.layer_types = cfg.layer_types[-1:]
+    model = AutoModel.from_config(cfg)
+    model.embed_tokens = None  # inputs come as embeddings; the table would waste V x d weights
+    if init_from is not None:  # the backbone's base model: copy its last layer and final norm
+        model.layers[0].load_state_dict(init_from.layers[-1].state_dict())
+        model.norm.load_state_dict(init_from.norm.state_dict())
+    return model
+
+
+class ChainedMTP(nn.Module):
+    def __init__(self, backbone_config, k: int, init_from: nn.Module | None = None):
+        super().__init__()
+        d = backbone_config.hidden_size
+        self.k, self.hidden_size, self.vocab_size = k, d, backbone_config.vocab_size
+        eps = getattr(backbone_config, "rms_norm_eps", 1e-6)
+        self.norm_emb = nn.ModuleList(RMSNorm(d, eps) for _ in range(k))
+        self.norm_hidden = nn.ModuleList(RMSNorm(d, eps) for _ in range(k))
+        self.proj = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in range(k))
+        with torch.no_grad():
+            for p in self.proj:
+                p.weight.zero_()
+                p.weight[:, d:].copy_(torch.eye(d))  # [0 | I]: start from the hidden state
+        self.blocks = nn.ModuleList(one_layer_model(backbone_config, init_from) for _ in range(k))
+        self.lm_heads = None
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (B, T, d), input_ids (B, T) -> per-depth hidden states (B, T, k, d).
+
+        Module j at position t reads token x_{t+j}; positions where t+j runs past the sequence read a
+        zero embedding (their targets lie outside the sequence and are masked by the loss).
+        """
+        B, T, d = hidden.shape
+        emb_all = embed(input_ids)  # (B, T, d)
+        outs, h = [], hidden
+        for j in range(1, self.k + 1):
+            ahead = torch.zeros_like(emb_all)
+            ahead[:, : T - j] = emb_all[:, j:]  # (B, T, d): emb(x_{t+j})
+            x = self.proj[j - 1](torch.cat([self.norm_emb[j - 1](ahead), self.norm_hidden[j - 1](h)], -1))
+            h = self.blocks[j - 1](inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
+            outs.append(h)
+        return torch.stack(outs, dim=2)  # (B, T, k, d)
+
+    def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        return lm_head(head_hidden)  # (B, T, k, V), shared head

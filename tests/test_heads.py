@@ -1,0 +1,108 @@
+"""Draft heads on the tiny backbone: starting points, causality, no shared weights, no backbone in the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.config import HeadsConfig
+from mtp_train.heads import build_heads, count_parameters
+
+
+def _ids(bb, B=2, T=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, bb.vocab_size, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "copy"])
+def test_fresh_medusa_heads_start_as_the_backbones_next_token_head(tiny_backbone, lm_head):
+    bb = tiny_backbone
+    heads = build_heads(HeadsConfig(type="medusa", k=3, num_layers=2, lm_head=lm_head), bb)
+    ids = _ids(bb)
+    with torch.no_grad():
+        h = bb.hidden_states(ids)
+        logits = heads.project(heads(h, ids, bb.embed_tokens), bb.lm_head)  # (B, T, k, V)
+    assert logits.shape == (2, 9, 3, bb.vocab_size)
+    for j in range(3):
+        torch.testing.assert_close(logits[:, :, j], bb.logits(h))
+
+
+@pytest.mark.parametrize("cfg", [HeadsConfig(type="medusa", k=3, num_layers=2),
+                                 HeadsConfig(type="medusa", k=3, lm_head="copy"),
+                                 HeadsConfig(type="chained", k=3)])
+def test_depths_share_no_weights(tiny_backbone, cfg):
+    heads = build_heads(cfg, tiny_backbone)
+    ptrs = [p.data_ptr() for p in heads.parameters()]
+    assert len(ptrs) == len(set(ptrs))
+    # perturbing depth 0 leaves the other depths untouched
+    before = {n: p.clone() for n, p in heads.named_parameters()}
+    with torch.no_grad():
+        for n, p in heads.named_parameters():
+            if ".0." in n:
+                p.add_(1.0)
+    changed = {n for n, p in heads.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".0." in n for n in changed)
+
+
+@pytest.mark.parametrize("cfg", [HeadsConfig(type="medusa", k=2), HeadsConfig(type="chained", k=2)])
+def test_heads_state_dict_holds_no_backbone_tensor(tiny_backbone, cfg):
+    heads = build_heads(cfg, tiny_backbone)
+    backbone_ptrs = {p.data_ptr() for p in tiny_backbone.model.parameters()}
+    assert not any(t.data_ptr() in backbone_ptrs for t in heads.state_dict().values())
+    assert not any("embed_tokens" in k or k.startswith("lm_head") for k in heads.state_dict())
+    n = count_parameters(heads)
+    assert n["trainable"] == n["total"] > 0
+
+
+def test_chained_module_j_reads_token_t_plus_j_and_is_causal(tiny_backbone):
+    bb = tiny_backbone
+    heads = build_heads(HeadsConfig(type="chained", k=3), bb)
+    with torch.no_grad():  # make the embedding half of every projection matter
+        for p in heads.proj:
+            p.weight[:, : bb.hidden_size].normal_(0, 0.1)
+    ids = _ids(bb, B=1, T=10)
+    p = 6
+    changed_ids = ids.clone()
+    changed_ids[0, p] = (ids[0, p] + 1) % bb.vocab_size
+    with torch.no_grad():
+        out = heads(bb.hidden_states(ids), ids, bb.embed_tokens)  # (1, T, k, d)
+        # keep the backbone hidden states fixed, change only the token fed to the modules
+        out2 = heads(bb.hidden_states(ids), changed_ids, bb.embed_tokens)
+    for j in range(1, 4):
+        diff = (out[0, :, j - 1] - out2[0, :, j - 1]).abs().amax(-1)  # (T,)
+        assert torch.all(diff[: p - j] == 0), (j, diff)  # positions before t = p - j: untouched
+        assert diff[p - j] > 0, j  # position p - j reads x_p at depth j
+
+
+def test_chained_starts_from_the_backbones_last_layer(tiny_backbone):
+    heads = build_heads(HeadsConfig(type="chained", k=2), tiny_backbone)
+    last = tiny_backbone.model.base_model.layers[-1].state_dict()
+    for blk in heads.blocks:
+        for name, t in blk.layers[0].state_dict().items():
+            assert torch.equal(t, last[name])
+
+
+def test_heads_train(tiny_backbone):
+    """A few steps of CE on a fixed batch lower the loss for both families (gradients flow)."""
+    bb = tiny_backbone
+    ids = _ids(bb, B=2, T=12)
+    for cfg in (HeadsConfig(type="medusa", k=2), HeadsConfig(type="chained", k=2)):
+        torch.manual_seed(0)
+        heads = build_heads(cfg, bb)
+        opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
+        with torch.no_grad():
+            h = bb.hidden_states(ids)
+        losses = []
+        for _ in range(30):
+            logits = heads.project(heads(h, ids, bb.embed_tokens), bb.lm_head)  # (B, T, k, V)
+            T = ids.shape[1]
+            # depth j+1 at position t drafts token t + 2 + j
+            loss = sum(torch.nn.functional.cross_entropy(
+                logits[:, : T - 2 - j, j].reshape(-1, bb.vocab_size), ids[:, 2 + j:].reshape(-1))
+                for j in range(2))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[-1] < 0.8 * losses[0], (cfg.type, losses)
+        assert all(p.grad is None for p in bb.model.parameters())
