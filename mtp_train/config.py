@@ -186,6 +186,29 @@ class DataConfig:
 
 
 @dataclass
+class TrainConfig:
+    """What mtp-train reads besides heads/loss/trainer: the data it uses and the optimiser."""
+
+    data_use: str = "distilled"  # distilled | labelled | mix (both)
+    batch_size: int = 4
+    max_length: int | None = None  # crop rows to this many tokens (None: data.max_length)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")
+        _check(self.batch_size > 0, "train.batch_size", "must be > 0")
+        _check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+
+
+@dataclass
 class PathsConfig:
     root_dir: str = MISSING
     cache_dir: str = MISSING  # converted backbones and other reusable artifacts
@@ -203,6 +226,7 @@ class Config:
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # kwargs of lightning.Trainer
     logger: dict[str, Any] | None = None  # name -> instantiable logger config

@@ -1,15 +1,126 @@
-"""mtp-train: train draft heads on a frozen backbone (issue 3; not implemented yet)."""
+"""mtp-train: train k draft heads on a frozen backbone; writes heads.safetensors + heads.json.
+
+  mtp-train backbone=tiny                                  # seconds, no preparation
+  mtp-train heads=medusa heads.k=4 loss=kl loss.adamtp=true
+  mtp-train -m loss=ce,e2e_tv heads.k=2,3 backbone=tiny    # local sweep, one run dir per point
+  mtp-train hydra.run.dir=runs/my_run                      # rerun the same command to resume
+
+Returns `val/sim_tau` (the accepted length greedy verification would reach on validation
+positions), so Hydra sweepers can optimise it. Resumes from `<run dir>/checkpoints/last.ckpt` when
+it exists. Lightning checkpoints hold only the heads and optimizer state, never the backbone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import hydra
+from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR, entry, log
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError
+
+HEADS_FILE, HEADS_META = "heads.safetensors", "heads.json"
+
+
+def data_dirs(cfg: Config) -> list[Path]:
+    from mtp_train.cli.prep import distilled_dir, labelled_dir
+
+    return {"labelled": [labelled_dir(cfg)], "distilled": [distilled_dir(cfg)],
+            "mix": [labelled_dir(cfg), distilled_dir(cfg)]}[cfg.train.data_use]
+
+
+def ensure_tiny_data(cfg: Config) -> None:
+    """backbone=tiny needs no preparation: its in-code data is built (or reused) here, in seconds."""
+    import dataclasses
+
+    from mtp_train.cli.prep import run_prep
+
+    if cfg.data.source == "tiny":
+        stages = ["data"] + (["distill"] if cfg.train.data_use != "labelled" else [])
+        for stage in stages:
+            run_prep(dataclasses.replace(cfg, stage=stage))
+
+
+def make_loggers(cfg, run_dir: Path) -> list:
+    loggers = []
+    for name, lcfg in (cfg.logger or {}).items():
+        if name == "wandb" and not os.environ.get("WANDB_API_KEY"):
+            os.environ["WANDB_MODE"] = "offline"  # never a login prompt; `wandb sync` later
+            lcfg = {**lcfg, "offline": True}
+        loggers.append(hydra.utils.instantiate(lcfg))
+    return loggers
+
+
+def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict) -> Path:
+    from safetensors.torch import save_file
+
+    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.lit.module import trainable_state_dict
+
+    tmp = run_dir / (HEADS_FILE + ".tmp")
+    save_file(trainable_state_dict(heads), str(tmp))
+    os.replace(tmp, run_dir / HEADS_FILE)
+    write_json_atomic(run_dir / HEADS_META, {
+        "head_type": cfg.heads.type, "k": cfg.heads.k, "heads": OmegaConf.to_container(
+            OmegaConf.structured(cfg.heads)),
+        "backbone": {"name": backbone.name, "hidden_size": backbone.hidden_size,
+                     "vocab_size": backbone.vocab_size},
+        "loss": OmegaConf.to_container(OmegaConf.structured(cfg.loss)),
+        "train": OmegaConf.to_container(OmegaConf.structured(cfg.train)),
+        "metrics": metrics,
+    })
+    return run_dir / HEADS_FILE
+
+
+def run_train(cfg: Config) -> dict:
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads import build_heads, count_parameters
+    from mtp_train.lit.data import MTPDataModule
+    from mtp_train.lit.module import MTPHeadsModule
+
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_tiny_data(cfg)
+    backbone = load_backbone(cfg.backbone)
+    max_length = cfg.train.max_length or cfg.data.max_length
+    if cfg.heads.k >= max_length - 1:
+        raise ConfigError(f"heads.k: {cfg.heads.k} leaves no target in rows of {max_length} tokens")
+    heads = build_heads(cfg.heads, backbone)
+    n = count_parameters(heads)
+    log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen)", cfg.heads.type,
+             cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()):,}")
+    pad = backbone.tokenizer.pad_token_id
+    dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
+                       max_length, cfg.train.num_workers, cfg.seed)
+    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                           every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=make_loggers(cfg, run_dir) or False,
+                                      callbacks=[ckpt])
+    last = ckpt_dir / "last.ckpt"
+    if last.is_file():
+        log.info("resuming from %s", last)
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
+    metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
+    path = save_heads(run_dir, heads, backbone, cfg, metrics)
+    log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))
+    print(json.dumps({"heads": str(path), **{k: round(v, 4) for k, v in metrics.items()}}, indent=1))
+    return metrics
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @entry
-def main(cfg, typed):
-    log.error("mtp-train is not implemented yet (head training lands with issue 3)")
-    raise SystemExit(3)
+def main(cfg, typed: Config):
+    return run_train(typed).get("val/sim_tau")
 
 
 if __name__ == "__main__":

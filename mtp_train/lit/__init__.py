@@ -1,0 +1,1 @@
+"""Lightning wiring: the heads LightningModule and the prepared-data DataModule."""

@@ -1,0 +1,72 @@
+"""DataModule over the datasets `mtp-prep` wrote (labelled and/or self-distilled Arrow data)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from mtp_train.errors import DataError
+from mtp_train.targets import IGNORE
+
+COLUMNS = ["input_ids", "labels"]
+
+
+def load_splits(dirs: list[Path]):
+    """Concatenate the train and validation splits of the prepared datasets in `dirs`."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    parts = {"train": [], "validation": []}
+    for d in dirs:
+        if not (Path(d) / "manifest.json").is_file():
+            raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` with the same "
+                            "backbone= and data= first")
+        ds = load_from_disk(str(d))
+        for s in parts:
+            parts[s].append(ds[s].select_columns(COLUMNS))
+    return {s: concatenate_datasets(p) for s, p in parts.items()}
+
+
+class Collator:
+    """Right-pads a list of rows to the longest (cropped to max_length)."""
+
+    def __init__(self, pad_id: int, max_length: int):
+        self.pad_id, self.max_length = pad_id, max_length
+
+    def __call__(self, rows: list[dict]) -> dict:
+        T = min(self.max_length, max(len(r["input_ids"]) for r in rows))
+        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+        attn = torch.zeros((len(rows), T), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = min(T, len(r["input_ids"]))
+            ids[i, :n] = torch.as_tensor(r["input_ids"][:n])
+            labels[i, :n] = torch.as_tensor(r["labels"][:n])
+            attn[i, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": attn}
+
+
+class MTPDataModule(L.LightningDataModule):
+    def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
+                 num_workers: int = 0, seed: int = 0):
+        super().__init__()
+        self.dirs, self.batch_size, self.num_workers, self.seed = dirs, batch_size, num_workers, seed
+        self.collate = Collator(pad_id, max_length)
+        self.splits = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is None:
+            self.splits = load_splits(self.dirs)
+            if len(self.splits["train"]) == 0:
+                raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True,
+                          generator=g, collate_fn=self.collate, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return DataLoader(self.splits["validation"], batch_size=self.batch_size, shuffle=False,
+                          collate_fn=self.collate, num_workers=self.num_workers)

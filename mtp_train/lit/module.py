@@ -1,0 +1,129 @@
+"""LightningModule that trains draft heads on a frozen backbone.
+
+The backbone is held as a plain attribute (a `Backbone` dataclass, not a submodule), so Lightning's
+optimizer, state_dict and checkpoints see only the heads: `trainable_state_dict` is the one function
+that decides what trains and what a checkpoint holds. One `model_step` serves training and validation.
+
+Logged per depth j (keys `split/name_dj`): loss, acc (argmax == data token), agree (argmax == the
+backbone's own greedy token), alpha (1 - TV), masked (AdaMTP fraction dropped) and `val/sim_tau`:
+the accepted length greedy verification would reach on these teacher-forced positions,
+1 + mean_t sum_j prod_{i<=j} agree_{t,i}, over positions where all k depths have a target.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from mtp_train.config import LossConfig, TrainConfig
+from mtp_train.errors import MtpError
+from mtp_train.losses import acceptance, compute_loss
+from mtp_train.segmentation import make_adamtp_mask, masked_fraction
+from mtp_train.targets import depth_targets, teacher_for_depths
+
+
+class NonFiniteLoss(MtpError):
+    pass
+
+
+class MTPHeadsModule(L.LightningModule):
+    def __init__(self, backbone, heads: torch.nn.Module, loss_cfg: LossConfig, train_cfg: TrainConfig):
+        super().__init__()
+        self.backbone = backbone  # not an nn.Module: never trained, never checkpointed
+        self.heads = heads
+        self.loss_cfg, self.train_cfg = loss_cfg, train_cfg
+        self.k = heads.k
+        self._val_chain = []
+
+    def on_fit_start(self) -> None:
+        self.backbone.model.to(self.device)
+
+    # --- the step shared by train and validation ---------------------------------------------------
+
+    def model_step(self, batch: dict, split: str) -> torch.Tensor:
+        ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
+        with torch.no_grad():
+            hidden = self.backbone.hidden_states(ids, attn)  # (B, T, d)
+            bb_logits = self.backbone.logits(hidden).float()  # (B, T, V)
+        targets, valid = depth_targets(ids, labels, self.k, attn)  # (B, T, k) x 2
+        rows = valid.any(-1)  # (B, T) positions with at least one target: only these get V-sized logits
+        if not rows.any():
+            return self.heads_zero()
+        head_hidden = self.heads(hidden, ids, self.backbone.embed_tokens, attn)  # (B, T, k, d)
+        logits = self.heads.project(head_hidden[rows], self.backbone.lm_head)[None]  # (1, N, k, V)
+        with torch.no_grad():
+            teacher = teacher_for_depths(bb_logits, self.k)[rows][None]  # (1, N, k, V)
+        mask = valid[rows][None]  # (1, N, k)
+        if self.loss_cfg.adamtp:
+            lc = self.loss_cfg
+            ada = make_adamtp_mask(bb_logits, self.k, lc.segment_rule, lc.theta, lc.zscore_window,
+                                   lc.zscore_threshold, valid_tokens=attn.bool())  # (B, T, k)
+            frac = masked_fraction(ada & valid, valid)  # (k,)
+            for j in range(self.k):
+                self.log(f"{split}/masked_d{j + 1}", frac[j], on_step=False, on_epoch=True)
+            mask = mask & ada[rows][None]
+        out = compute_loss(self.loss_cfg.name, logits, targets=targets[rows][None],
+                           teacher_logits=teacher, mask=mask, depth_weights=self.loss_cfg.depth_weights)
+        if not torch.isfinite(out.loss):
+            bad = [j + 1 for j in range(self.k) if not torch.isfinite(out.per_depth[j])]
+            raise NonFiniteLoss(f"non-finite {self.loss_cfg.name} loss at step {self.global_step} "
+                                f"({split}), depth(s) {bad or 'all'}; the last good checkpoint is kept")
+        self._log_metrics(split, out, logits.detach(), teacher, targets[rows][None], valid[rows][None])
+        return out.loss
+
+    def heads_zero(self) -> torch.Tensor:
+        return sum(p.sum() * 0.0 for p in self.heads.parameters())
+
+    @torch.no_grad()
+    def _log_metrics(self, split, out, logits, teacher, targets, valid) -> None:
+        top = logits.argmax(-1)  # (1, N, k)
+        acc = (top == targets) & valid
+        agree = (top == teacher.argmax(-1)) & valid
+        alpha = acceptance(logits, teacher)  # (1, N, k)
+        n = valid.sum(dim=(0, 1)).clamp_min(1)  # (k,)
+        on_step = split == "train"
+        self.log(f"{split}/loss", out.loss, prog_bar=True, on_step=on_step, on_epoch=True)
+        for j in range(self.k):
+            d = f"_d{j + 1}"
+            self.log(f"{split}/loss{d}", out.per_depth[j], on_step=on_step, on_epoch=True)
+            self.log(f"{split}/acc{d}", acc[..., j].sum() / n[j], on_step=on_step, on_epoch=True)
+            self.log(f"{split}/agree{d}", agree[..., j].sum() / n[j], on_step=on_step, on_epoch=True)
+            self.log(f"{split}/alpha{d}", (alpha[..., j] * valid[..., j]).sum() / n[j],
+                     on_step=on_step, on_epoch=True)
+        if split == "val":
+            full = valid.all(-1)  # (1, N): positions with every depth's target
+            chain = agree[full].float().cumprod(-1).sum(-1)  # (M,) accepted drafts per position
+            self._val_chain.append(chain.cpu())
+
+    def training_step(self, batch, batch_idx):
+        return self.model_step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self.model_step(batch, "val")
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_chain = []
+
+    def on_validation_epoch_end(self) -> None:
+        chain = torch.cat(self._val_chain) if self._val_chain else torch.zeros(0)
+        sim_tau = 1.0 + (chain.mean().item() if chain.numel() else 0.0)
+        self.log("val/sim_tau", sim_tau, prog_bar=True)
+
+    # --- optimisation -----------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        params = [p for p in self.heads.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay)
+        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0
+                    else self.trainer.estimated_stepping_batches)
+        sched = get_cosine_with_min_lr_schedule_with_warmup(
+            opt, num_warmup_steps=self.train_cfg.warmup_steps, num_training_steps=total,
+            min_lr_rate=self.train_cfg.min_lr_ratio)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def trainable_state_dict(heads: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What trains, and so what is saved: the heads' parameters that require grad."""
+    names = {n for n, p in heads.named_parameters() if p.requires_grad}
+    return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}

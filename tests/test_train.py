@@ -1,0 +1,69 @@
+"""mtp-train on the tiny backbone: every heads x loss x adamtp combination runs; only heads train."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mtp_train.cli.train import run_train
+from mtp_train.errors import MtpError
+
+FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
+        "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false", "data.distill.max_train_prompts=16",
+        "data.distill.max_val_prompts=4"]
+
+
+@pytest.mark.parametrize("adamtp", [False, True])
+@pytest.mark.parametrize("loss", ["ce", "kl", "tv", "e2e_tv"])
+@pytest.mark.parametrize("heads", ["medusa", "chained"])
+def test_fast_dev_run_every_combination(typed_cfg, heads, loss, adamtp):
+    cfg = typed_cfg(*FAST, f"heads={heads}", "heads.k=2", f"loss={loss}", f"loss.adamtp={adamtp}",
+                    "trainer.fast_dev_run=true")
+    metrics = run_train(cfg)
+    assert 1.0 <= metrics["val/sim_tau"] <= 3.0
+    assert all(f"val/agree_d{j}" in metrics for j in (1, 2))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_training_changes_only_the_heads_and_saves_only_them(typed_cfg, tmp_path):
+    from mtp_train.backbone import load_backbone
+
+    cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=ce", "train.lr=1e-2")
+    before = {n: p.clone() for n, p in load_backbone(cfg.backbone).model.named_parameters()}
+    metrics = run_train(cfg)
+    run = tmp_path / "out"
+    saved = load_file(str(run / "heads.safetensors"))
+    meta = json.loads((run / "heads.json").read_text())
+    assert meta["head_type"] == "medusa" and meta["k"] == 2
+    assert meta["backbone"]["hidden_size"] == 64 and meta["metrics"]["val/sim_tau"] == metrics["val/sim_tau"]
+    assert saved and all(k.startswith("blocks.") for k in saved)
+    assert any(t.abs().sum() > 0 for k, t in saved.items() if k.endswith("linear.weight"))  # trained
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert set(ckpt["state_dict"]) == {f"heads.{k}" for k in saved}  # no backbone tensor
+    after = load_backbone(cfg.backbone).model.named_parameters()
+    assert all(torch.equal(p, before[n]) for n, p in after)  # the (seeded) backbone is what it was
+
+
+def test_non_finite_loss_names_the_step_and_stops(typed_cfg, monkeypatch):
+    from mtp_train.heads.medusa import MedusaHeads
+
+    real = MedusaHeads.forward
+    monkeypatch.setattr(MedusaHeads, "forward", lambda self, *a, **k: real(self, *a, **k) * float("nan"))
+    cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=kl")
+    with pytest.raises(MtpError, match=r"non-finite kl loss at step 0 \(train\)"):
+        run_train(cfg)
+
+
+def test_local_sweep_writes_one_run_per_point(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mtp_train.cli.train", "-m", "loss=ce,e2e_tv", "heads.k=1,2",
+                        *FAST, f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted(p.parent.name for p in (tmp_path / "sweep").glob("*/heads.safetensors"))
+    assert len(runs) == 4, runs
