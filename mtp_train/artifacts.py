@@ -62,6 +62,7 @@ def publish_dir(tmp: Path, final: Path) -> None:
     final = Path(final)
     if final.exists():
         old = final.with_name(final.name + f".old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)  # left by a killed run with the same pid
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)

@@ -45,6 +45,7 @@ class Backbone:
     model: nn.Module
     tokenizer: object
     name: str
+    identity: dict | None = None  # what produced these weights: stages that depend on them hash it
 
     @property
     def config(self):
@@ -103,7 +104,15 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     freeze(model)
     if cfg.lora.enabled:
         add_lora(model, cfg.lora)
-    return Backbone(model=model, tokenizer=tok, name=cfg.name)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    model.to(device)
+    identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path, "gguf_file": cfg.gguf_file,
+                "dtype": cfg.dtype, "lora": vars(cfg.lora) if cfg.lora.enabled else None,
+                "tiny": vars(cfg.tiny) if cfg.source == "tiny" else None}
+    if cfg.source == "gguf":
+        identity["weights_sha256"] = (read_json(Path(cfg.converted_dir) / CONVERT_MANIFEST) or {}).get(
+            "source", {}).get("sha256")
+    return Backbone(model=model, tokenizer=tok, name=cfg.name, identity=identity)
 
 
 def load_tokenizer(cfg: BackboneConfig):
@@ -114,7 +123,11 @@ def load_tokenizer(cfg: BackboneConfig):
 
     path = str(convert_gguf(cfg)) if cfg.source == "gguf" else cfg.path
     _check_path(path)
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise BackboneError(f"backbone.path: cannot load a tokenizer from {path!r} "
+                            f"({str(e).splitlines()[0]})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -132,7 +145,7 @@ def _load_hf(path: str, dtype: torch.dtype):
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise BackboneError(
             f"backbone.path: cannot load a causal LM from {path!r} ({str(e).splitlines()[0]}). "
             "Give a local directory or a hub id that is already in the HF cache."

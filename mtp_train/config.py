@@ -79,12 +79,15 @@ class BackboneConfig:
     install_hint: str | None = None  # printed when the package or file is missing
     converted_dir: str | None = None  # gguf: where the safetensors copy is written and reused
     dtype: str = "float32"
+    device: str = "auto"  # auto: cuda when available, else cpu
     tiny: TinyBackboneConfig = field(default_factory=TinyBackboneConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _choice(self.source, BACKBONE_SOURCES, "backbone.source")
         _choice(self.dtype, DTYPES, "backbone.dtype")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               "backbone.device", f"unknown device {self.device!r}; use auto, cpu or cuda[:N]")
         if self.source == "hf":
             _check(bool(self.path), "backbone.path", "required when backbone.source=hf")
         if self.source == "gguf":
@@ -165,7 +168,7 @@ class DataConfig:
     max_length: int = 1024  # tokens per rendered conversation (longer ones are truncated)
     max_conversations: int | None = None  # random subset (by seed) after parsing; None = all
     val_fraction: float = 0.05
-    min_val_rows: int = 1
+    min_val_rows: int = 1  # at least this many validation rows
     seed: int = 0
     num_proc: int = 1
     output_dir: str = MISSING
@@ -180,7 +183,7 @@ class DataConfig:
         _check(self.max_conversations is None or self.max_conversations > 0,
                "data.max_conversations", "must be > 0 or null")
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
-        _check(self.min_val_rows >= 0, "data.min_val_rows", "must be >= 0")
+        _check(self.min_val_rows >= 1, "data.min_val_rows", "must be >= 1 (training validates)")
         _check(self.num_proc >= 1, "data.num_proc", "must be >= 1")
         _check(self.tiny_rows > 1, "data.tiny_rows", "must be > 1")
 

@@ -69,6 +69,10 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("data.distill.max_prompt_tokens=-1", "data.distill.max_prompt_tokens"),
     ("data.distill.top_p=0", "data.distill.top_p"),
     ("backbone.dtype=int8", "backbone.dtype"),
+    ("backbone.device=tpu", "backbone.device"),
+    ("data.min_val_rows=0", "data.min_val_rows"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.data_use=web", "train.data_use"),
     ("data.max_length=3", "heads.k"),  # k=3 leaves no target in 3 tokens
 ])
 def test_bad_values_are_rejected_naming_the_key(typed_cfg, override, key):

@@ -13,6 +13,7 @@ from mtp_train.config import DataConfig, DistillConfig
 from mtp_train.data import distill as distill_mod
 from mtp_train.data.build import prepare_dataset
 from mtp_train.data.template import IGNORE, render_prompt
+from mtp_train.errors import DataError
 
 DCFG = DistillConfig(max_new_tokens=12, max_prompt_tokens=112, batch_size=4, shard_size=8,
                      max_train_prompts=20, max_val_prompts=6, autocast="float32")
@@ -147,6 +148,26 @@ def test_up_to_date_distillation_is_skipped(tmp_path, labelled, tiny_backbone, m
 
 
 def test_long_prompts_are_skipped_and_counted(tmp_path, labelled, tiny_backbone):
-    dcfg = dataclasses.replace(DCFG, max_prompt_tokens=60)  # every tiny prompt is longer
-    with pytest.raises(Exception, match="no prompt"):
+    dcfg = dataclasses.replace(DCFG, max_prompt_tokens=60)  # every tiny prompt is longer (20 + 6)
+    with pytest.raises(DataError, match=r"no train prompt .*'prompt longer than data.distill"
+                                        r".max_prompt_tokens': 26"):
         distill_mod.distill(tmp_path / "labelled", tmp_path / "out", tiny_backbone, dcfg, 128)
+
+
+def test_an_empty_validation_split_is_an_error_not_a_broken_dataset(tmp_path, labelled, tiny_backbone):
+    dcfg = dataclasses.replace(DCFG, max_val_prompts=0)
+    with pytest.raises(DataError, match="no validation prompt"):
+        distill_mod.distill(tmp_path / "labelled", tmp_path / "out", tiny_backbone, dcfg, 128)
+
+
+def test_distillation_is_redone_for_another_backbone(tmp_path, labelled, tiny_backbone, monkeypatch):
+    import copy
+
+    first = distill_mod.distill(tmp_path / "labelled", tmp_path / "out", tiny_backbone, DCFG, 128)
+    other = copy.copy(tiny_backbone)
+    other.identity = {**tiny_backbone.identity, "dtype": "bfloat16"}
+    calls = []
+    real = distill_mod._generate_shard
+    monkeypatch.setattr(distill_mod, "_generate_shard", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = distill_mod.distill(tmp_path / "labelled", tmp_path / "out", other, DCFG, 128)
+    assert calls and again["config_hash"] != first["config_hash"]

@@ -80,12 +80,26 @@ def _stage_distill(cfg: Config) -> dict:
     from mtp_train.data.distill import distill
 
     backbone = load_backbone(cfg.backbone)
+    _check_labelled_is_current(cfg, backbone.tokenizer)
     m = distill(labelled_dir(cfg), distilled_dir(cfg), backbone, cfg.data.distill,
                 cfg.data.max_length, force=cfg.force)
     return {"where": str(distilled_dir(cfg)),
             "rows": f"train {m['splits']['train']:,} / val {m['splits']['validation']:,} "
                     f"({m['finished_with_eos']['train']:,} train answers ended with end-of-turn)",
             "tokens": f"{m['answer_tokens']['train']:,} answer tokens (train)"}
+
+
+def _check_labelled_is_current(cfg: Config, tokenizer) -> None:
+    from mtp_train.artifacts import read_manifest
+    from mtp_train.data.build import data_stage_hash
+    from mtp_train.errors import DataError
+
+    m = read_manifest(labelled_dir(cfg))
+    wanted = data_stage_hash(_with_output(cfg.data, labelled_dir(cfg)), tokenizer,
+                             cfg.data.distill.enabled)
+    if m is None or m.get("config_hash") != wanted:
+        raise DataError(f"{labelled_dir(cfg)} is missing or was built with other data settings; "
+                        "run `mtp-prep stage=data` (or stage=all) with the same overrides first")
 
 
 STAGE_FNS = {"backbone": _stage_backbone, "data": _stage_data, "distill": _stage_distill}

@@ -46,9 +46,13 @@ def _source_identity(cfg: DataConfig) -> dict:
             "jsonl": lambda: Path(cfg.path), "disk": lambda: Path(cfg.path)}.get(cfg.source)
     if path is not None:
         p = path()
-        if p.exists():
+        if p.is_file():
             st = p.stat()
             ident.update(file=str(p), size=st.st_size, mtime=st.st_mtime)
+        elif p.is_dir():  # a saved dataset: rewriting it in place changes its files, not the folder
+            ident.update(file=str(p), files=sorted(
+                (str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime)
+                for f in p.rglob("*") if f.is_file()))
     return ident
 
 

@@ -53,7 +53,7 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
 
 
 def distill_plan(source_manifest: dict, backbone_name: str, tokenizer, cfg: DistillConfig,
-                 max_length: int, device: torch.device) -> dict:
+                 max_length: int, device: torch.device, backbone_identity: dict | None = None) -> dict:
     gen = {k: getattr(cfg, k) for k in ("max_new_tokens", "max_prompt_tokens", "do_sample",
                                          "batch_size", "shard_size", "max_train_prompts",
                                          "max_val_prompts", "seed")}
@@ -61,6 +61,7 @@ def distill_plan(source_manifest: dict, backbone_name: str, tokenizer, cfg: Dist
     if cfg.do_sample:
         gen.update(temperature=cfg.temperature, top_p=cfg.top_p)
     return {"source_hash": source_manifest["config_hash"], "backbone": backbone_name,
+            "backbone_identity": backbone_identity,
             "tokenizer": tokenizer_identity(tokenizer), "generation": gen, "max_length": max_length}
 
 
@@ -102,7 +103,8 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     if src_manifest is None:
         raise DataError(f"{source_dir}: no prepared dataset here; run `mtp-prep stage=data` first")
     tok = backbone.tokenizer
-    plan = distill_plan(src_manifest, backbone.name, tok, cfg, max_length, backbone.device)
+    plan = distill_plan(src_manifest, backbone.name, tok, cfg, max_length, backbone.device,
+                        backbone.identity)
     wanted = config_hash(plan)
     if not force and is_up_to_date(out_dir, wanted):
         log.info("distill: %s is up to date, skipping (force=true regenerates)", out_dir)
@@ -155,8 +157,11 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
             parts[w[0]].append(load_from_disk(str(path)))
     result = DatasetDict({s: concatenate_datasets(parts[s]) if parts[s] else _empty(source[s].features)
                           for s in SPLITS})
-    if len(result["train"]) == 0:
-        raise DataError(f"distill: no prompt of {source_dir} could be distilled (skipped: {dict(skipped)})")
+    for s in SPLITS:
+        if len(result[s]) == 0:
+            raise DataError(f"distill: no {s} prompt of {source_dir} could be distilled "
+                            f"(skipped: {dict(skipped)}; see data.distill.max_prompt_tokens and "
+                            f"data.distill.max_{'train' if s == 'train' else 'val'}_prompts)")
     finished = {s: int(sum(result[s]["finished"])) for s in SPLITS}
     manifest = {
         "stage": "distill", "config_hash": wanted, **plan,
