@@ -77,3 +77,16 @@ def test_local_sweep_writes_one_run_per_point(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted(p.parent.name for p in (tmp_path / "sweep").glob("*/heads.safetensors"))
     assert len(runs) == 4, runs
+
+
+def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = typed_cfg(*[o for o in FAST if o != "logger=none"], "logger=wandb", "heads.k=2")
+    run_train(cfg)
+    runs = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    blob = b"".join(f.read_bytes() for f in runs[0].rglob("*.wandb"))
+    for key in (b"val/sim_tau", b"val/agree_d2", b"train/loss_step", b"val/acceptance_per_depth",
+                b"data_use"):
+        assert key in blob, key

@@ -55,6 +55,15 @@ def make_loggers(cfg, run_dir: Path) -> list:
     return loggers
 
 
+def close_loggers(loggers: list) -> None:
+    """Finish W&B runs so the offline run directory is complete (and a sweep's next job starts anew)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            lg.experiment.finish()
+
+
 def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict) -> Path:
     from safetensors.torch import save_file
 
@@ -104,14 +113,17 @@ def run_train(cfg: Config) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=make_loggers(cfg, run_dir) or False,
-                                      callbacks=[ckpt])
+    loggers = make_loggers(cfg, run_dir)
+    for lg in loggers:  # the whole resolved config, so every run records its recipe
+        lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
     last = ckpt_dir / "last.ckpt"
     if last.is_file():
         log.info("resuming from %s", last)
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     path = save_heads(run_dir, heads, backbone, cfg, metrics)
+    close_loggers(loggers)
     log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))
     print(json.dumps({"heads": str(path), **{k: round(v, 4) for k, v in metrics.items()}}, indent=1))
     return metrics

@@ -109,6 +109,25 @@ class MTPHeadsModule(L.LightningModule):
         chain = torch.cat(self._val_chain) if self._val_chain else torch.zeros(0)
         sim_tau = 1.0 + (chain.mean().item() if chain.numel() else 0.0)
         self.log("val/sim_tau", sim_tau, prog_bar=True)
+        self._wandb_depth_chart()
+
+    def _wandb_depth_chart(self) -> None:
+        """A per-depth acceptance bar chart in W&B (agreement with the backbone and 1 - TV)."""
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers = [lg for lg in self.loggers if isinstance(lg, WandbLogger)]
+        if not loggers or self.trainer.sanity_checking:
+            return
+        import wandb
+
+        m = self.trainer.callback_metrics
+        rows = [[f"d{j}", float(m.get(f"val/agree_d{j}", float("nan"))),
+                 float(m.get(f"val/alpha_d{j}", float("nan")))] for j in range(1, self.k + 1)]
+        table = wandb.Table(columns=["depth", "agree", "alpha"], data=rows)
+        for lg in loggers:
+            lg.experiment.log({"val/acceptance_per_depth": wandb.plot.bar(
+                table, "depth", "agree", title="greedy agreement per depth"),
+                "trainer/global_step": self.global_step})
 
     # --- optimisation -----------------------------------------------------------------------------
 
