@@ -90,3 +90,39 @@ def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp
     for key in (b"val/sim_tau", b"val/agree_d2", b"train/loss_step", b"val/acceptance_per_depth",
                 b"data_use"):
         assert key in blob, key
+
+
+def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg, tmp_path, monkeypatch):
+    import lightning as L
+
+    from mtp_train.lit.module import MTPHeadsModule
+
+    # 40 rows in batches of 8: 5 steps an epoch, so the step-6 checkpoint is mid-epoch
+    common = [*FAST, "heads=chained", "heads.k=2", "loss=e2e_tv", "trainer.max_steps=8",
+              "train.batch_size=8", "train.warmup_steps=2", "data.distill.max_train_prompts=40"]
+    run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/straight"))
+    straight = load_file(str(tmp_path / "straight" / "heads.safetensors"))
+
+    class Killed(Exception):
+        pass
+
+    real_step = MTPHeadsModule.training_step
+
+    def dying_step(self, batch, batch_idx):  # dies at step 7 (after the step-6 checkpoint)
+        if self.global_step == 7:
+            raise Killed
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(MTPHeadsModule, "training_step", dying_step)
+    with pytest.raises(Killed):
+        run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
+    monkeypatch.setattr(MTPHeadsModule, "training_step", real_step)
+    steps = []
+    monkeypatch.setattr(L.Trainer, "fit", lambda self, *a, _f=L.Trainer.fit, **k: (
+        _f(self, *a, **k), steps.append(self.global_step))[0])
+    run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
+    assert steps == [8]
+    resumed = load_file(str(tmp_path / "resumed" / "heads.safetensors"))
+    assert resumed.keys() == straight.keys()
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-6, msg=k)

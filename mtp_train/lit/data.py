@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from mtp_train.errors import DataError
 from mtp_train.targets import IGNORE
@@ -48,6 +48,29 @@ class Collator:
         return {"input_ids": ids, "labels": labels, "attention_mask": attn}
 
 
+class ResumableSampler(Sampler):
+    """A seeded permutation per epoch that can skip the rows a resumed run has already seen.
+
+    Lightning calls `set_epoch`; the LightningModule sets `skip` when it resumes mid-epoch, so a
+    resumed run sees exactly the batches an uninterrupted one would have.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        skip, self.skip = self.skip, 0
+        return iter(order[skip:])
+
+
 class MTPDataModule(L.LightningDataModule):
     def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
                  num_workers: int = 0, seed: int = 0):
@@ -63,9 +86,9 @@ class MTPDataModule(L.LightningDataModule):
                 raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True,
-                          generator=g, collate_fn=self.collate, num_workers=self.num_workers)
+        self.sampler = ResumableSampler(len(self.splits["train"]), self.seed)
+        return DataLoader(self.splits["train"], batch_size=self.batch_size, sampler=self.sampler,
+                          collate_fn=self.collate, num_workers=self.num_workers)
 
     def val_dataloader(self):
         return DataLoader(self.splits["validation"], batch_size=self.batch_size, shuffle=False,

@@ -39,6 +39,18 @@ class MTPHeadsModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.backbone.model.to(self.device)
 
+    def on_train_start(self) -> None:  # a resumed mid-epoch run starts here, not at an epoch start
+        self.on_train_epoch_start()
+
+    def on_train_epoch_start(self) -> None:
+        """After a mid-epoch resume, skip the rows this epoch already trained on."""
+        # every epoch has the same number of batches (one optimizer step each), so the steps
+        # beyond whole epochs are the batches of this epoch that are already done
+        done = self.global_step - self.current_epoch * self.trainer.num_training_batches
+        sampler = getattr(self.trainer.datamodule, "sampler", None) if self.trainer.datamodule else None
+        if done > 0 and sampler is not None:
+            sampler.skip = done * self.train_cfg.batch_size
+
     # --- the step shared by train and validation ---------------------------------------------------
 
     def model_step(self, batch: dict, split: str) -> torch.Tensor:
