@@ -126,3 +126,13 @@ def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg,
     assert resumed.keys() == straight.keys()
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("change,key", [("heads.k=3", "k"), ("heads=medusa", "head_type"),
+                                        ("backbone.tiny.hidden_size=32", "hidden_size")])
+def test_resuming_with_other_heads_or_backbone_is_refused(typed_cfg, change, key):
+    from mtp_train.errors import ConfigError
+
+    run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2"))
+    with pytest.raises(ConfigError, match=f"was made with another {key}"):
+        run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", change))

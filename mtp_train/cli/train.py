@@ -55,6 +55,28 @@ def make_loggers(cfg, run_dir: Path) -> list:
     return loggers
 
 
+RUN_META = "run_meta.json"
+
+
+def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool) -> None:
+    """A run directory remembers what its checkpoints were made for; resuming with other heads or
+    another backbone is refused before Lightning tries (and fails deep inside) to load them."""
+    from mtp_train.artifacts import read_json, write_json_atomic
+
+    meta = {"backbone": backbone.name, "hidden_size": backbone.hidden_size,
+            "vocab_size": backbone.vocab_size, "head_type": cfg.heads.type, "k": cfg.heads.k,
+            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}}
+    old = read_json(run_dir / RUN_META)
+    if resuming and old is not None:
+        for key in ("backbone", "hidden_size", "vocab_size", "head_type", "k", "heads"):
+            if old.get(key) != meta[key]:
+                shown = "parameter shapes" if key == "heads" else f"{old.get(key)!r} -> {meta[key]!r}"
+                raise ConfigError(
+                    f"{run_dir / 'checkpoints'} was made with another {key} ({shown}); use a new "
+                    "hydra.run.dir, or the same backbone= and heads= settings to resume")
+    write_json_atomic(run_dir / RUN_META, meta)
+
+
 def close_loggers(loggers: list) -> None:
     """Finish W&B runs so the offline run directory is complete (and a sweep's next job starts anew)."""
     from lightning.pytorch.loggers import WandbLogger
@@ -118,6 +140,7 @@ def run_train(cfg: Config) -> dict:
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
     last = ckpt_dir / "last.ckpt"
+    check_resume_matches(run_dir, heads, backbone, cfg, resuming=last.is_file())
     if last.is_file():
         log.info("resuming from %s", last)
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
