@@ -200,6 +200,7 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     num_workers: int = 0
+    use_cache: bool = True  # read hidden states from `mtp-prep stage=cache` when it matches
 
     def __post_init__(self) -> None:
         _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")

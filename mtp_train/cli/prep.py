@@ -4,7 +4,9 @@ Stages (each skips itself when its manifest says it is up to date; `force=true` 
   backbone  locate the backbone; a GGUF one is converted once to safetensors under paths.cache_dir
   data      conversations -> chat template -> assistant-only labels -> train/validation Arrow dataset
   distill   the backbone regenerates the answers (resumable: a killed run continues from its shards)
-  all       the three in order
+  cache     the backbone's hidden states for the rows mtp-train reads (train.data_use), which
+            mtp-train then uses instead of running the backbone (asked for by name, not in `all`)
+  all       backbone, data, distill in order
 
   mtp-prep                                        # the demo: SmolLM2 + ShareGPT, all stages
   mtp-prep stage=data data=sharegpt data.max_conversations=null
@@ -23,7 +25,21 @@ from mtp_train.cli.common import CONF_DIR, entry, log
 from mtp_train.config import Config
 from mtp_train.errors import ConfigError
 
-STAGES = ("backbone", "data", "distill", "all")
+STAGES = ("backbone", "data", "distill", "cache", "all")
+
+
+def data_dirs(cfg: Config) -> list[Path]:
+    """The prepared datasets mtp-train reads, by train.data_use."""
+    return {"labelled": [labelled_dir(cfg)], "distilled": [distilled_dir(cfg)],
+            "mix": [labelled_dir(cfg), distilled_dir(cfg)]}[cfg.train.data_use]
+
+
+def cache_location(cfg: Config, backbone) -> tuple[str, Path]:
+    from mtp_train.data.cache import cache_key, cache_path
+
+    max_length = cfg.train.max_length or cfg.data.max_length
+    key = cache_key(data_dirs(cfg), backbone.identity, max_length, "float16")
+    return key, cache_path(Path(cfg.data.output_dir), key)
 
 
 def labelled_dir(cfg: Config) -> Path:
@@ -38,7 +54,7 @@ def run_prep(cfg: Config) -> dict:
     """Run the requested stages; returns {stage: (seconds, summary)}."""
     if cfg.stage not in STAGES:
         raise ConfigError(f"stage: mtp-prep has no stage {cfg.stage!r}; choose one of {', '.join(STAGES)}")
-    todo = STAGES[:3] if cfg.stage == "all" else (cfg.stage,)
+    todo = STAGES[:3] if cfg.stage == "all" else (cfg.stage,)  # the cache is asked for by name
     results = {}
     for stage in todo:
         t0 = time.time()
@@ -102,7 +118,22 @@ def _check_labelled_is_current(cfg: Config, tokenizer) -> None:
                         "run `mtp-prep stage=data` (or stage=all) with the same overrides first")
 
 
-STAGE_FNS = {"backbone": _stage_backbone, "data": _stage_data, "distill": _stage_distill}
+def _stage_cache(cfg: Config) -> dict:
+    from mtp_train.backbone import load_backbone
+    from mtp_train.data.cache import build_cache
+    from mtp_train.lit.data import load_splits
+
+    backbone = load_backbone(cfg.backbone)
+    key, out = cache_location(cfg, backbone)
+    m = build_cache(load_splits(data_dirs(cfg)), backbone, out, key,
+                    cfg.train.max_length or cfg.data.max_length)
+    return {"where": str(out),
+            "rows": f"{m['tokens']:,} tokens of train.data_use={cfg.train.data_use}, "
+                    f"{m['bytes'] / 2**20:,.1f} MiB, {m['bytes_per_token']:,} bytes per token"}
+
+
+STAGE_FNS = {"backbone": _stage_backbone, "data": _stage_data, "distill": _stage_distill,
+             "cache": _stage_cache}
 
 
 def _with_output(data_cfg, out: Path):

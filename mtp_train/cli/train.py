@@ -20,17 +20,29 @@ import hydra
 from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR, entry, log
+from mtp_train.cli.prep import data_dirs
 from mtp_train.config import Config
 from mtp_train.errors import ConfigError
 
 HEADS_FILE, HEADS_META = "heads.safetensors", "heads.json"
 
 
-def data_dirs(cfg: Config) -> list[Path]:
-    from mtp_train.cli.prep import distilled_dir, labelled_dir
+def open_cache(cfg: Config, backbone):
+    """The hidden-state cache for exactly these data, backbone and length, if one was built."""
+    from mtp_train.artifacts import read_manifest
+    from mtp_train.cli.prep import cache_location
+    from mtp_train.data.cache import HiddenCache
 
-    return {"labelled": [labelled_dir(cfg)], "distilled": [distilled_dir(cfg)],
-            "mix": [labelled_dir(cfg), distilled_dir(cfg)]}[cfg.train.data_use]
+    if not cfg.train.use_cache:
+        return None
+    key, path = cache_location(cfg, backbone)
+    m = read_manifest(path)
+    if m is None or m.get("config_hash") != key:
+        log.info("no hidden-state cache for these inputs (mtp-prep stage=cache builds one); "
+                 "running the backbone live")
+        return None
+    log.info("training from the hidden-state cache %s (%s tokens)", path, f"{m['tokens']:,}")
+    return HiddenCache(path)
 
 
 def ensure_tiny_data(cfg: Config) -> None:
@@ -129,8 +141,9 @@ def run_train(cfg: Config) -> dict:
     log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen)", cfg.heads.type,
              cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()):,}")
     pad = backbone.tokenizer.pad_token_id
+    cache = open_cache(cfg, backbone)
     dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
-                       max_length, cfg.train.num_workers, cfg.seed)
+                       max_length, cfg.train.num_workers, cfg.seed, cache=cache)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
     ckpt_dir = run_dir / "checkpoints"
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mtp_train.errors import DataError
 from mtp_train.targets import IGNORE
@@ -40,12 +41,36 @@ class Collator:
         ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
         labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
         attn = torch.zeros((len(rows), T), dtype=torch.long)
+        cached = "hidden" in rows[0]
+        if cached:
+            hidden = torch.zeros((len(rows), T, rows[0]["hidden"].shape[-1]))  # (B, T, d)
         for i, r in enumerate(rows):
             n = min(T, len(r["input_ids"]))
             ids[i, :n] = torch.as_tensor(r["input_ids"][:n])
             labels[i, :n] = torch.as_tensor(r["labels"][:n])
             attn[i, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": attn}
+            if cached:
+                hidden[i, :n] = torch.from_numpy(np.asarray(r["hidden"][:n], dtype=np.float32))
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": attn}
+        if cached:
+            batch["hidden"] = hidden
+        return batch
+
+
+class CachedRows(Dataset):
+    """Rows of a prepared split with their cached hidden states attached."""
+
+    def __init__(self, rows, cache, split: str):
+        if len(rows) != cache.manifest["rows"][split]:
+            raise DataError(f"{cache.path}: cache has {cache.manifest['rows'][split]} {split} rows, "
+                            f"the data has {len(rows)}; rebuild it with `mtp-prep stage=cache`")
+        self.rows, self.cache, self.split = rows, cache, split
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.rows[i], "hidden": self.cache.row(self.split, i)}
 
 
 class ResumableSampler(Sampler):
@@ -73,8 +98,9 @@ class ResumableSampler(Sampler):
 
 class MTPDataModule(L.LightningDataModule):
     def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
-                 num_workers: int = 0, seed: int = 0):
+                 num_workers: int = 0, seed: int = 0, cache=None):
         super().__init__()
+        self.cache = cache  # a HiddenCache: batches then carry "hidden" and the backbone is skipped
         self.dirs, self.batch_size, self.num_workers, self.seed = dirs, batch_size, num_workers, seed
         self.collate = Collator(pad_id, max_length)
         self.splits = None
@@ -84,6 +110,8 @@ class MTPDataModule(L.LightningDataModule):
             self.splits = load_splits(self.dirs)
             if len(self.splits["train"]) == 0:
                 raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
+            if self.cache is not None:
+                self.splits = {s: CachedRows(d, self.cache, s) for s, d in self.splits.items()}
 
     def train_dataloader(self):
         self.sampler = ResumableSampler(len(self.splits["train"]), self.seed)

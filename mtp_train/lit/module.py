@@ -56,7 +56,10 @@ class MTPHeadsModule(L.LightningModule):
     def model_step(self, batch: dict, split: str) -> torch.Tensor:
         ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
         with torch.no_grad():
-            hidden = self.backbone.hidden_states(ids, attn)  # (B, T, d)
+            if "hidden" in batch:  # from the hidden-state cache: the backbone's layers are skipped
+                hidden = batch["hidden"].to(self.backbone.lm_head.weight.dtype)  # (B, T, d)
+            else:
+                hidden = self.backbone.hidden_states(ids, attn)  # (B, T, d)
             bb_logits = self.backbone.logits(hidden).float()  # (B, T, V)
         targets, valid = depth_targets(ids, labels, self.k, attn)  # (B, T, k) x 2
         rows = valid.any(-1)  # (B, T) positions with at least one target: only these get V-sized logits

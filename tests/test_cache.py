@@ -1,0 +1,110 @@
+"""Hidden-state cache: what it stores, that training from it matches the live backbone, keying."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from mtp_train.cli.prep import cache_location, data_dirs, run_prep
+from mtp_train.data import cache as cache_mod
+
+FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+        "data.distill.max_train_prompts=24", "data.distill.max_val_prompts=8", "train.max_length=96"]
+
+
+@pytest.fixture
+def cached(typed_cfg):
+    cfg = typed_cfg(*FAST)
+    for stage in ("data", "distill", "cache"):
+        run_prep(dataclasses.replace(cfg, stage=stage))
+    from mtp_train.backbone import load_backbone
+
+    backbone = load_backbone(cfg.backbone)
+    key, path = cache_location(cfg, backbone)
+    return cfg, backbone, path
+
+
+def test_cache_holds_the_backbones_hidden_states(cached):
+    from mtp_train.lit.data import load_splits
+
+    cfg, backbone, path = cached
+    cache = cache_mod.HiddenCache(path)
+    m = cache.manifest
+    splits = load_splits(data_dirs(cfg))
+    assert m["rows"] == {"train": 24, "validation": 8}
+    assert m["tokens"] == sum(min(96, len(r)) for s in splits.values() for r in s["input_ids"])
+    assert abs(m["bytes_per_token"] - 64 * 2) < 8  # float16 x d, plus small offsets and headers
+    for split, i in (("train", 0), ("train", 23), ("validation", 5)):
+        ids = torch.tensor([splits[split][i]["input_ids"][:96]])
+        with torch.no_grad():
+            live = backbone.hidden_states(ids)[0].numpy()
+        stored = cache.row(split, i)
+        assert stored.dtype == np.float16 and stored.shape == live.shape
+        np.testing.assert_allclose(stored.astype(np.float32), live, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl", "tv", "e2e_tv"])
+def test_losses_from_the_cache_equal_the_live_ones(cached, loss):
+    from mtp_train.config import HeadsConfig, LossConfig
+    from mtp_train.heads import build_heads
+    from mtp_train.lit.data import MTPDataModule
+    from mtp_train.lit.module import MTPHeadsModule
+
+    cfg, backbone, path = cached
+    heads = build_heads(HeadsConfig(type="chained", k=2), backbone)
+    module = MTPHeadsModule(backbone, heads, LossConfig(name=loss, adamtp=True, theta=0.05), cfg.train)
+    out = {}
+    for name, cache in (("live", None), ("cache", cache_mod.HiddenCache(path))):
+        dm = MTPDataModule(data_dirs(cfg), backbone.tokenizer.pad_token_id, 4, 96, cache=cache)
+        dm.setup()
+        batch = next(iter(dm.val_dataloader()))
+        assert ("hidden" in batch) == (cache is not None)
+        with torch.no_grad():
+            out[name] = module.model_step(batch, "val").item()
+    assert out["cache"] == pytest.approx(out["live"], rel=1e-2, abs=1e-4)
+
+
+def test_cache_is_keyed_and_used_only_for_matching_inputs(cached, typed_cfg, caplog):
+    from mtp_train.cli.train import open_cache, run_train
+
+    cfg, backbone, path = cached
+    assert open_cache(cfg, backbone) is not None
+    other = typed_cfg(*FAST, "train.max_length=80")
+    assert open_cache(other, backbone) is None  # another row length: another key
+    assert open_cache(typed_cfg(*FAST, "train.use_cache=false"), backbone) is None
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        metrics = run_train(cfg)
+    assert "training from the hidden-state cache" in caplog.text
+    assert 1.0 <= metrics["val/sim_tau"] <= 4.0
+
+
+def test_a_killed_cache_build_resumes_from_its_shards(typed_cfg, monkeypatch):
+    cfg = typed_cfg(*FAST)
+    for stage in ("data", "distill"):
+        run_prep(dataclasses.replace(cfg, stage=stage))
+    from mtp_train.backbone import load_backbone
+    from mtp_train.lit.data import load_splits
+
+    backbone = load_backbone(cfg.backbone)
+    key, path = cache_location(cfg, backbone)
+    splits = load_splits(data_dirs(cfg))
+    cache_mod.build_cache(splits, backbone, path, key, 96, shard_rows=8)
+    reference = {s: [cache_mod.HiddenCache(path).row(s, i).copy() for i in range(len(splits[s]))]
+                 for s in splits}
+    (path / "manifest.json").unlink()
+    (path / "train-00002.npy").unlink()  # as if killed while writing the third shard
+    calls = []
+    real = cache_mod._hidden_rows
+    monkeypatch.setattr(cache_mod, "_hidden_rows", lambda *a: calls.append(1) or real(*a))
+    cache_mod.build_cache(splits, backbone, path, key, 96, shard_rows=8, batch_size=8)
+    assert len(calls) == 1  # only the missing shard was computed
+    again = cache_mod.HiddenCache(path)
+    for s in splits:
+        for i, ref in enumerate(reference[s]):
+            np.testing.assert_array_equal(again.row(s, i), ref)
