@@ -1,0 +1,75 @@
+"""Training throughput: the hidden-state cache vs the live backbone, side by side in one run.
+
+    python bench/train_throughput.py [hydra overrides...]      # run where `mtp-prep` ran
+    python bench/train_throughput.py backbone=tiny             # smoke run
+
+Builds (or reuses) the cache for train.data_use, then times the same batches through one training
+step (forward, loss, backward, optimizer) from the cache and with the live backbone. Prints tokens/s
+for both, their ratio, the cache's bytes per token and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from mtp_train.cli.common import CONF_DIR
+from mtp_train.config import validate
+
+
+def main(overrides: list[str]) -> None:
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.prep import cache_location, data_dirs, run_prep
+    from mtp_train.data.cache import HiddenCache
+    from mtp_train.heads import build_heads
+    from mtp_train.lit.data import MTPDataModule
+    from mtp_train.lit.module import MTPHeadsModule
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(compose("config", overrides=["paths.output_dir=outputs/bench", *overrides]))
+    n_batches = 4
+    run_prep(dataclasses.replace(cfg, stage="cache"))
+    backbone = load_backbone(cfg.backbone)
+    _, path = cache_location(cfg, backbone)
+    cache = HiddenCache(path)
+    max_length = cfg.train.max_length or cfg.data.max_length
+    results = {}
+    for name, c in (("cache", cache), ("live", None)):
+        torch.manual_seed(0)
+        heads = build_heads(cfg.heads, backbone)
+        module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+        opt = torch.optim.AdamW(heads.parameters(), lr=cfg.train.lr)
+        dm = MTPDataModule(data_dirs(cfg), backbone.tokenizer.pad_token_id or 0, cfg.train.batch_size,
+                           max_length, cache=c)
+        dm.setup()
+        batches = [b for _, b in zip(range(n_batches + 1), dm.val_dataloader())]
+        tokens, seconds = 0, 0.0
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            loss = module.model_step(batch, "train")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i > 0:  # the first batch is warm-up
+                seconds += time.perf_counter() - t0
+                tokens += int(batch["attention_mask"].sum())
+        results[name] = tokens / seconds
+    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"backbone {cfg.backbone.name}, heads {cfg.heads.type} k={cfg.heads.k}, loss {cfg.loss.name}, "
+          f"batch {cfg.train.batch_size} x <= {max_length} tokens, {n_batches} timed steps each")
+    print(f"train tokens/s   cache {results['cache']:.0f}   live {results['live']:.0f}   "
+          f"ratio {results['cache'] / results['live']:.2f}x")
+    print(f"cache {cache.manifest['bytes_per_token']:.0f} bytes/token "
+          f"({cache.manifest['tokens']:,} tokens), peak RSS {rss_gb:.2f} GB")
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.disable(logging.WARNING)
+    main(sys.argv[1:])
