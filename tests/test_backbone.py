@@ -109,5 +109,5 @@ def test_real_smollm2_conversion_matches_the_gguf_and_answers_fluently(tmp_path)
     conv = msgs + [{"role": "assistant", "content": "Paris, of course."},
                    {"role": "user", "content": "And of Italy?"},
                    {"role": "assistant", "content": "Rome."}]
-    ids, labels = render_batch(tok, [conv], 512)
+    ids, labels, _ = render_batch(tok, [conv], 512)
     assert tok.decode([t for t in labels[0] if t != IGNORE]) == "Paris, of course.<|im_end|>Rome.<|im_end|>"

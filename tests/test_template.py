@@ -27,7 +27,8 @@ def _expected(tok, pieces):
 
 def test_labels_cover_exactly_the_answers_and_their_end_of_turn(tiny_tokenizer):
     tok = tiny_tokenizer
-    ids, labels = render_batch(tok, [CONV], max_length=1000)
+    ids, labels, errors = render_batch(tok, [CONV], max_length=1000)
+    assert errors == [""]
     exp_ids, exp_labels = _expected(tok, [
         ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", False),
         ("<|im_start|>user\nhi<|im_end|>\n", False),
@@ -45,9 +46,9 @@ def test_labels_cover_exactly_the_answers_and_their_end_of_turn(tiny_tokenizer):
 
 
 def test_truncation_keeps_labels_aligned(tiny_tokenizer):
-    full_ids, full_labels = render_batch(tiny_tokenizer, [CONV], max_length=1000)
+    full_ids, full_labels, _ = render_batch(tiny_tokenizer, [CONV], max_length=1000)
     cut = len(full_ids[0]) - 6  # inside the second answer's tail
-    ids, labels = render_batch(tiny_tokenizer, [CONV], max_length=cut)
+    ids, labels, _ = render_batch(tiny_tokenizer, [CONV], max_length=cut)
     assert ids[0] == full_ids[0][:cut] and labels[0] == full_labels[0][:cut]
 
 
@@ -73,3 +74,31 @@ def test_a_template_that_is_not_prefix_stable_is_rejected(tiny_tokenizer):
                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(DataError, match="chat template"):
         render_batch(tok, [CONV], 1000)
+
+
+def test_a_conversation_the_template_refuses_is_reported_not_fatal(tiny_tokenizer, tmp_path):
+    import copy
+    import json
+
+    from mtp_train.config import DataConfig
+    from mtp_train.data.build import prepare_dataset
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    # like Gemma's or Mistral's templates: no system turn allowed
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                         "{% endif %}")
+    with_system = [{"role": "system", "content": "S"}, *CONV[:2]]
+    ids, labels, errors = render_batch(tok, [with_system, CONV], 1000)
+    assert "System role not supported" in errors[0] and ids[0] == [] and errors[1] == ""
+    assert tok.decode([t for t in labels[1] if t != IGNORE]) == "yo!<|im_end|>4<|im_end|>"
+
+    rows = [{"messages": with_system}] * 3 + [{"messages": CONV}] * 5
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = prepare_dataset(DataConfig(name="j", source="jsonl", path=str(path), max_length=200,
+                                   val_fraction=0.2, output_dir=str(tmp_path / "out")), tok)
+    assert m["counts"]["dropped_after_render"] == {"chat template refused the conversation": 3}
+    assert m["counts"]["kept"] == 5

@@ -102,18 +102,24 @@ def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
     ds = Dataset.from_list(convs)
 
     def render(batch):
-        ids, labels = render_batch(tokenizer, batch["messages"], cfg.max_length)
+        ids, labels, errors = render_batch(tokenizer, batch["messages"], cfg.max_length)
         n_ans = [sum(lab != -100 for lab in row) for row in labels]
         has_answer = [any(m["role"] == "assistant" for m in msgs) for msgs in batch["messages"]]
         return {"input_ids": ids, "labels": labels, "num_tokens": [len(r) for r in ids],
-                "num_assistant_tokens": n_ans, "has_answer": has_answer}
+                "num_assistant_tokens": n_ans, "has_answer": has_answer, "render_error": errors}
 
     ds = ds.map(render, batched=True, batch_size=128, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                 desc="render + tokenize")
-    truncated_away = Counter()
+    truncated_away = Counter(e.split(":")[0] for e in ds["render_error"] if e)
+    if truncated_away:
+        first = next(e for e in ds["render_error"] if e)
+        log.warning("data (%s): the chat template refused %d conversation(s), dropped; first: %s",
+                    cfg.source, sum(truncated_away.values()), first[:300])
+    ds = ds.filter(lambda r: not r["render_error"], desc="filter")
     n_before = len(ds)
     ds = ds.filter(lambda r: (r["num_assistant_tokens"] > 0) or not r["has_answer"], desc="filter")
     truncated_away["no assistant token within data.max_length"] = n_before - len(ds)
+    ds = ds.remove_columns("render_error")
     if len(ds) < 2:
         raise DataError(f"data ({cfg.source}): only {len(ds)} usable conversation(s); need 2 or more")
 

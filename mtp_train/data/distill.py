@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from mtp_train.artifacts import (
@@ -220,7 +221,11 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
     items, skipped = [], Counter()
     for r in rows:
         msgs = prompt_messages(r["messages"])
-        ids = render_prompt(tok, msgs)
+        try:
+            ids = render_prompt(tok, msgs)
+        except TemplateError:
+            skipped["chat template refused the prompt"] += 1
+            continue
         if len(ids) > cfg.max_prompt_tokens:
             skipped["prompt longer than data.distill.max_prompt_tokens"] += 1
             continue

@@ -55,18 +55,42 @@ def label_tokens(offsets: list[tuple[int, int]], ids: list[int], spans: list[tup
 
 
 def render_batch(tokenizer, conversations: list[list[dict]], max_length: int):
-    """Render and label a batch; returns lists of input_ids and labels, truncated to max_length."""
-    texts = [tokenizer.apply_chat_template(msgs, tokenize=False) for msgs in conversations]
+    """Render and label a batch; returns input_ids, labels (truncated to max_length) and errors.
+
+    A conversation the chat template refuses (some templates raise on a system turn or on two
+    turns of the same role) gets empty ids and its error message, so the caller can drop and
+    count it instead of losing the whole batch.
+    """
+    from jinja2 import TemplateError
+
+    texts, errors = [], []
+    for msgs in conversations:
+        try:
+            texts.append(tokenizer.apply_chat_template(msgs, tokenize=False))
+            errors.append("")
+        except TemplateError as e:
+            texts.append("")
+            errors.append(f"chat template refused the conversation: {e}")
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
                     truncation=True, max_length=max_length)
     input_ids, labels = [], []
-    for msgs, text, ids, offsets in zip(conversations, texts, enc["input_ids"],
-                                        enc["offset_mapping"], strict=True):
+    for msgs, text, ids, offsets, err in zip(conversations, texts, enc["input_ids"],
+                                             enc["offset_mapping"], errors, strict=True):
+        if err:
+            input_ids.append([])
+            labels.append([])
+            continue
         limit = offsets[-1][1] if offsets else 0  # truncation ends the text here
-        spans = assistant_char_spans(tokenizer, msgs, text, limit)
+        try:
+            spans = assistant_char_spans(tokenizer, msgs, text, limit)
+        except TemplateError as e:
+            input_ids.append([])
+            labels.append([])
+            errors[len(input_ids) - 1] = f"chat template refused the conversation: {e}"
+            continue
         input_ids.append(list(ids))
         labels.append(label_tokens(offsets, ids, spans))
-    return input_ids, labels
+    return input_ids, labels, errors
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
