@@ -187,6 +187,19 @@ def row_to_messages(row: dict) -> list | None:
     return None
 
 
+def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
+                        keep_prompt_only: bool) -> dict | None:
+    """One user row (JSONL line or dataset row) -> a normalised conversation, or None (counted)."""
+    raw = row_to_messages(row) if isinstance(row, dict) else None
+    if raw is None:
+        stats.drop('row without "prompt" or "messages"', line)
+        return None
+    msgs = normalize_messages(raw, stats, keep_prompt_only)
+    if msgs is None:
+        return None
+    return {"id": str(row.get("id") or default_id), "messages": msgs}
+
+
 def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
     path = Path(path)
     if not path.is_file():
@@ -201,13 +214,9 @@ def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterat
                 stats.drop("malformed JSON line", lineno)
                 continue
             stats.parsed += 1
-            raw = row_to_messages(row) if isinstance(row, dict) else None
-            if raw is None:
-                stats.drop('row without "prompt" or "messages"', lineno)
-                continue
-            msgs = normalize_messages(raw, stats, keep_prompt_only)
-            if msgs is not None:
-                yield {"id": str(row.get("id", f"{path.name}:{lineno}")), "messages": msgs}
+            conv = row_to_conversation(row, f"{path.name}:{lineno}", lineno, stats, keep_prompt_only)
+            if conv is not None:
+                yield conv
     if stats.parsed == 0:
         raise DataError(f"{path}: no line of this file is a JSON object "
                         '(expected {"prompt": ...} or {"messages": [...]} per line)')
@@ -234,13 +243,9 @@ def read_disk(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterato
                         f"has {sorted(cols)}")
     for i, row in enumerate(ds):
         stats.parsed += 1
-        raw = row_to_messages(row)
-        if raw is None:
-            stats.drop("row without prompt or messages", i)
-            continue
-        msgs = normalize_messages(raw, stats, keep_prompt_only)
-        if msgs is not None:
-            yield {"id": str(row.get("id", f"row{i}")), "messages": msgs}
+        conv = row_to_conversation(row, f"row{i}", i, stats, keep_prompt_only)
+        if conv is not None:
+            yield conv
 
 
 # --- tiny: conversations made in code --------------------------------------------------------------
