@@ -57,7 +57,7 @@ def ensure_tiny_data(cfg: Config) -> None:
             run_prep(dataclasses.replace(cfg, stage=stage))
 
 
-def make_loggers(cfg, run_dir: Path) -> list:
+def make_loggers(cfg) -> list:
     loggers = []
     for name, lcfg in (cfg.logger or {}).items():
         if name == "wandb" and not os.environ.get("WANDB_API_KEY"):
@@ -148,7 +148,7 @@ def run_train(cfg: Config) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
-    loggers = make_loggers(cfg, run_dir)
+    loggers = make_loggers(cfg)
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])

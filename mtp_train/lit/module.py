@@ -20,7 +20,7 @@ from mtp_train.config import LossConfig, TrainConfig
 from mtp_train.errors import MtpError
 from mtp_train.losses import acceptance, compute_loss
 from mtp_train.segmentation import make_adamtp_mask, masked_fraction
-from mtp_train.targets import depth_targets, teacher_for_depths
+from mtp_train.targets import depth_targets, teacher_at_rows
 
 
 class NonFiniteLoss(MtpError):
@@ -68,7 +68,7 @@ class MTPHeadsModule(L.LightningModule):
         head_hidden = self.heads(hidden, ids, self.backbone.embed_tokens, attn)  # (B, T, k, d)
         logits = self.heads.project(head_hidden[rows], self.backbone.lm_head)[None]  # (1, N, k, V)
         with torch.no_grad():
-            teacher = teacher_for_depths(bb_logits, self.k)[rows][None]  # (1, N, k, V)
+            teacher = teacher_at_rows(bb_logits, rows, self.k)[None]  # (1, N, k, V)
         mask = valid[rows][None]  # (1, N, k)
         if self.loss_cfg.adamtp:
             lc = self.loss_cfg
