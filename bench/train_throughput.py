@@ -25,6 +25,7 @@ from mtp_train.config import validate
 def main(overrides: list[str]) -> None:
     from mtp_train.backbone import load_backbone
     from mtp_train.cli.prep import cache_location, data_dirs, run_prep
+    from mtp_train.cli.train import draft_vocab_for
     from mtp_train.data.cache import HiddenCache
     from mtp_train.heads import build_heads
     from mtp_train.lit.data import MTPDataModule
@@ -38,10 +39,11 @@ def main(overrides: list[str]) -> None:
     _, path = cache_location(cfg, backbone)
     cache = HiddenCache(path)
     max_length = cfg.train.max_length or cfg.data.max_length
+    draft_ids = draft_vocab_for(cfg, backbone)
     results = {}
     for name, c in (("cache", cache), ("live", None)):
         torch.manual_seed(0)
-        heads = build_heads(cfg.heads, backbone)
+        heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids)
         module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
         opt = torch.optim.AdamW(heads.parameters(), lr=cfg.train.lr)
         dm = MTPDataModule(data_dirs(cfg), backbone.tokenizer.pad_token_id or 0, cfg.train.batch_size,
@@ -60,7 +62,8 @@ def main(overrides: list[str]) -> None:
                 tokens += int(batch["attention_mask"].sum())
         results[name] = tokens / seconds
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"backbone {cfg.backbone.name}, heads {cfg.heads.type} k={cfg.heads.k}, loss {cfg.loss.name}, "
+    print(f"backbone {cfg.backbone.name}, heads {cfg.heads.type} k={cfg.heads.k} "
+          f"(draft vocabulary {cfg.heads.draft_vocab or 'full'}), loss {cfg.loss.name}, "
           f"batch {cfg.train.batch_size} x <= {max_length} tokens, {n_batches} timed steps each")
     print(f"train tokens/s   cache {results['cache']:.0f}   live {results['live']:.0f}   "
           f"ratio {results['cache'] / results['live']:.2f}x")

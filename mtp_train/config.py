@@ -103,12 +103,16 @@ class HeadsConfig:
     k: int = 3
     num_layers: int = 1  # medusa: ResBlocks per head
     lm_head: str = "shared"  # shared (frozen, the backbone's) | copy (trainable)
+    # score only the N most frequent training tokens (None = the whole vocabulary): see heads/vocab.py
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         _choice(self.type, HEAD_TYPES, "heads.type")
         _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
         _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
         _choice(self.lm_head, ("shared", "copy"), "heads.lm_head")
+        _check(self.draft_vocab is None or self.draft_vocab >= 2, "heads.draft_vocab",
+               f"must be >= 2 or null (the whole vocabulary), got {self.draft_vocab}")
         _check(not (self.type == "chained" and self.lm_head == "copy"), "heads.lm_head",
                "chained MTP modules share the backbone's LM head; lm_head=copy is for medusa")
 

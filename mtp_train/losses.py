@@ -116,16 +116,27 @@ def _reduce(per_pos: torch.Tensor, mask: torch.Tensor, depth_weights, *,
 # per-position quantities
 
 
-def acceptance(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+def _teacher_log_probs(teacher_logits: torch.Tensor, dtype: torch.dtype, logprobs: bool) -> torch.Tensor:
+    """The teacher's log p, detached: log_softmax of logits, or the given log-probabilities as they are.
+
+    `logprobs=True` is for a draft vocabulary: the backbone's log-probabilities normalised over the
+    full vocabulary and restricted to the draft tokens sum to less than 1, and must stay so (the
+    mass outside is what a draft can never be accepted for)."""
+    t = _upcast(teacher_logits.detach()).to(dtype)
+    return t if logprobs else F.log_softmax(t, dim=-1)
+
+
+def acceptance(logits: torch.Tensor, teacher_logits: torch.Tensor,
+               teacher_logprobs: bool = False) -> torch.Tensor:
     """alpha = sum_v min(p(v), q(v)) = 1 - TV(p, q), p = softmax(teacher) (detached), q = softmax(logits).
 
     (B, T, k, V) x 2 -> (B, T, k): the probability that a draft sampled from q survives rejection
-    sampling against p. Differentiable in `logits` only.
+    sampling against p. Differentiable in `logits` only. With `teacher_logprobs`, p = exp(teacher).
     """
     _check_logits(logits, teacher_logits)
     x = _upcast(logits)  # (B, T, k, V)
     with torch.no_grad():
-        p = torch.softmax(_upcast(teacher_logits.detach()).to(x.dtype), dim=-1)  # (B, T, k, V)
+        p = _teacher_log_probs(teacher_logits, x.dtype, teacher_logprobs).exp()  # (B, T, k, V)
     q = torch.softmax(x, dim=-1)  # (B, T, k, V)
     return torch.minimum(p, q).sum(dim=-1)  # (B, T, k)
 
@@ -158,12 +169,16 @@ def ce_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
 
 
 def kl_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-            depth_weights: Sequence[float] | None = None) -> LossOutput:
-    """KL(p || q) with p = softmax(teacher) (detached), q = softmax(logits), from log-softmaxes."""
+            depth_weights: Sequence[float] | None = None, teacher_logprobs: bool = False) -> LossOutput:
+    """KL(p || q) with p = softmax(teacher) (detached), q = softmax(logits), from log-softmaxes.
+
+    With `teacher_logprobs` and a p that sums to Z < 1 (a draft vocabulary), sum p log(p/q) is
+    minimised at q = p / Z: the head learns the backbone's distribution renormalised to its vocabulary.
+    """
     _check_logits(logits, teacher_logits)
     x = _upcast(logits)  # (B, T, k, V)
     with torch.no_grad():
-        log_p = F.log_softmax(_upcast(teacher_logits.detach()).to(x.dtype), dim=-1)  # (B, T, k, V)
+        log_p = _teacher_log_probs(teacher_logits, x.dtype, teacher_logprobs)  # (B, T, k, V)
         p = log_p.exp()  # (B, T, k, V)
     log_q = F.log_softmax(x, dim=-1)  # (B, T, k, V)
     diff = log_p - log_q  # (B, T, k, V)
@@ -173,14 +188,14 @@ def kl_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tens
 
 
 def tv_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-            depth_weights: Sequence[float] | None = None) -> LossOutput:
+            depth_weights: Sequence[float] | None = None, teacher_logprobs: bool = False) -> LossOutput:
     """Per depth 1 - alpha = TV(p, q) (Bebop); also reports the masked mean alpha per depth."""
-    alpha = acceptance(logits, teacher_logits)  # (B, T, k)
+    alpha = acceptance(logits, teacher_logits, teacher_logprobs)  # (B, T, k)
     return _reduce(1.0 - alpha, mask, depth_weights, alpha=alpha)
 
 
 def e2e_tv_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-                depth_weights: Sequence[float] | None = None) -> LossOutput:
+                depth_weights: Sequence[float] | None = None, teacher_logprobs: bool = False) -> LossOutput:
     """End-to-end TV (Bebop): reward the chance the whole chain up to depth j is accepted.
 
     A_{t,j} = prod_{i<=j} alpha_{t,i};  loss = 1 - sum_{t,j} m w_j A / sum_{t,j} m w_j.
@@ -190,7 +205,7 @@ def e2e_tv_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.
     per_depth[j] = masked mean of 1 - A_{., j} (0 for a depth with no valid position);
     alpha[j] = masked mean of alpha_{., j}.
     """
-    alpha = acceptance(logits, teacher_logits)  # (B, T, k)
+    alpha = acceptance(logits, teacher_logits, teacher_logprobs)  # (B, T, k)
     chain = torch.cumprod(alpha, dim=-1)  # (B, T, k)
     m = _prepare_mask(mask, chain, chain.dtype)  # (B, T, k)
     w = _prepare_weights(depth_weights, chain.shape[-1], chain.device, chain.dtype)  # (k,)
@@ -208,8 +223,9 @@ LOSSES = ("ce", "kl", "tv", "e2e_tv")
 
 def compute_loss(name: str, logits: torch.Tensor, *, targets: torch.Tensor | None = None,
                  teacher_logits: torch.Tensor | None = None, mask: torch.Tensor,
-                 depth_weights: Sequence[float] | None = None) -> LossOutput:
-    """Dispatch on name in LOSSES; "ce" needs targets, the others need teacher_logits."""
+                 depth_weights: Sequence[float] | None = None, teacher_logprobs: bool = False) -> LossOutput:
+    """Dispatch on name in LOSSES; "ce" needs targets, the others need teacher_logits (logits, or
+    log-probabilities with `teacher_logprobs=True`, see `_teacher_log_probs`)."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; expected one of {', '.join(LOSSES)}")
     if name == "ce":
@@ -219,4 +235,4 @@ def compute_loss(name: str, logits: torch.Tensor, *, targets: torch.Tensor | Non
     if teacher_logits is None:
         raise ValueError(f"loss {name!r} needs teacher_logits")
     fn = {"kl": kl_loss, "tv": tv_loss, "e2e_tv": e2e_tv_loss}[name]
-    return fn(logits, teacher_logits, mask, depth_weights)
+    return fn(logits, teacher_logits, mask, depth_weights, teacher_logprobs)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 __all__ = [
     "RULES",
     "adamtp_mask",
+    "adamtp_mask_from_entropy",
     "boundaries",
     "entropy",
     "group_ids",
@@ -229,7 +230,16 @@ def make_adamtp_mask(backbone_logits: torch.Tensor, k: int, rule: str = "diff", 
     constant of the loss. Padding targets are not masked here; AND with the loss's target mask.
     """
     with torch.no_grad():
-        H = entropy(backbone_logits)  # (B, T)
+        return adamtp_mask_from_entropy(entropy(backbone_logits), k, rule, theta, window, z_threshold,
+                                        valid_tokens)
+
+
+def adamtp_mask_from_entropy(H: torch.Tensor, k: int, rule: str = "diff", theta: float = 1.0,
+                             window: int = 16, z_threshold: float = 2.0,
+                             valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """`make_adamtp_mask` from a precomputed entropy H (B, T) (the cache and `teacher.backbone_stats`
+    keep it, so training never needs the full-vocabulary logits for the mask)."""
+    with torch.no_grad():
         b = boundaries(H, rule=rule, theta=theta, window=window, z_threshold=z_threshold,
                        valid=valid_tokens)  # (B, T)
         return adamtp_mask(group_ids(b), k)  # (B, T, k)

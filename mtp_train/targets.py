@@ -42,14 +42,3 @@ def depth_targets(input_ids: torch.Tensor, labels: torch.Tensor, k: int,
 def teacher_for_depths(backbone_logits: torch.Tensor, k: int) -> torch.Tensor:
     """(B, T, V) -> (B, T, k, V): the backbone's distribution over each depth's target."""
     return shift_for_depths(backbone_logits, k, offset=0)
-
-
-def teacher_at_rows(backbone_logits: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """(B, T, V) logits and a (B, T) bool selection -> (N, k, V) teacher logits of the selected
-    positions: entry [n, j-1] is the backbone at t_n + j. Gathers only what is needed instead of
-    building the (B, T, k, V) tensor of `teacher_for_depths`; positions past the end repeat the
-    last one and must be masked by the caller (depth_targets marks them invalid)."""
-    b, t = rows.nonzero(as_tuple=True)  # (N,), (N,)
-    T = backbone_logits.shape[1]
-    pos = (t[:, None] + torch.arange(1, k + 1, device=t.device)).clamp(max=T - 1)  # (N, k)
-    return backbone_logits[b[:, None], pos]  # (N, k, V)

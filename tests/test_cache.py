@@ -37,25 +37,34 @@ def test_cache_holds_the_backbones_hidden_states(cached):
     splits = load_splits(data_dirs(cfg))
     assert m["rows"] == {"train": 24, "validation": 8}
     assert m["tokens"] == sum(min(96, len(r)) for s in splits.values() for r in s["input_ids"])
-    assert abs(m["bytes_per_token"] - 64 * 2) < 8  # float16 x d, plus small offsets and headers
+    # float16 x d, float32 lse + entropy, int32 greedy token, plus small offsets and headers
+    assert abs(m["bytes_per_token"] - (64 * 2 + 12)) < 8
     for split, i in (("train", 0), ("train", 23), ("validation", 5)):
         ids = torch.tensor([splits[split][i]["input_ids"][:96]])
         with torch.no_grad():
-            live = backbone.hidden_states(ids)[0].numpy()
+            live = backbone.hidden_states(ids)[0]
+            logp = torch.log_softmax(backbone.logits(live).double(), -1)  # (T, V) slow reference
         stored = cache.row(split, i)
         assert stored.dtype == np.float16 and stored.shape == live.shape
-        np.testing.assert_allclose(stored.astype(np.float32), live, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(stored.astype(np.float32), live.numpy(), rtol=2e-3, atol=2e-3)
+        st = cache.stats(split, i)
+        lse = torch.logsumexp(backbone.logits(live).double(), -1)
+        np.testing.assert_allclose(st["lse"], lse.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(st["entropy"], -(logp.exp() * logp).sum(-1).numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(st["top"], logp.argmax(-1).numpy())
 
 
+@pytest.mark.parametrize("draft", [None, 40])
 @pytest.mark.parametrize("loss", ["ce", "kl", "tv", "e2e_tv"])
-def test_losses_from_the_cache_equal_the_live_ones(cached, loss):
+def test_losses_from_the_cache_equal_the_live_ones(cached, loss, draft):
     from mtp_train.config import HeadsConfig, LossConfig
     from mtp_train.heads import build_heads
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
 
     cfg, backbone, path = cached
-    heads = build_heads(HeadsConfig(type="chained", k=2), backbone)
+    draft_ids = None if draft is None else torch.arange(0, 4 * draft, 4)  # every 4th token id
+    heads = build_heads(HeadsConfig(type="chained", k=2), backbone, draft_ids=draft_ids)
     module = MTPHeadsModule(backbone, heads, LossConfig(name=loss, adamtp=True, theta=0.05), cfg.train)
     out = {}
     for name, cache in (("live", None), ("cache", cache_mod.HiddenCache(path))):

@@ -106,3 +106,68 @@ def test_heads_train(tiny_backbone):
             losses.append(loss.item())
         assert losses[-1] < 0.8 * losses[0], (cfg.type, losses)
         assert all(p.grad is None for p in bb.model.parameters())
+
+
+@pytest.mark.parametrize("cfg", [HeadsConfig(type="medusa", k=2, lm_head="copy"),
+                                 HeadsConfig(type="medusa", k=2), HeadsConfig(type="chained", k=2)])
+def test_a_draft_vocabulary_scores_exactly_the_full_logits_columns(tiny_backbone, cfg):
+    bb = tiny_backbone
+    draft = torch.tensor([3, 7, 8, 40, 100, 258])
+    torch.manual_seed(0)
+    full = build_heads(cfg, bb)
+    torch.manual_seed(0)
+    sub = build_heads(cfg, bb, draft_ids=draft)
+    sub.load_state_dict({**full.state_dict(), "draft_ids": draft} if cfg.lm_head == "shared" else
+                        {**{n: t[draft] if n.startswith("lm_heads") else t
+                            for n, t in full.state_dict().items()}, "draft_ids": draft})
+    ids = _ids(bb)
+    with torch.no_grad():
+        h = bb.hidden_states(ids)
+        a = full.project(full(h, ids, bb.embed_tokens), bb.lm_head)  # (B, T, k, V)
+        b = sub.project(sub(h, ids, bb.embed_tokens), bb.lm_head)  # (B, T, k, 6)
+    torch.testing.assert_close(b, a[..., draft])
+    assert torch.equal(sub.to_tokens(torch.tensor([0, 5])), torch.tensor([3, 258]))
+    assert sub.to_draft(torch.tensor([3, 4, 258, 0])).tolist() == [0, -1, 5, -1]
+    assert full.draft_size == bb.vocab_size and sub.draft_size == 6
+
+
+def test_select_draft_vocab_keeps_the_most_frequent_and_the_special_tokens():
+    import numpy as np
+
+    from mtp_train.heads.vocab import select_draft_vocab
+
+    counts = np.array([5, 0, 9, 9, 1, 7, 0])
+    assert select_draft_vocab(counts, 3).tolist() == [2, 3, 5]  # ties broken by the lower id
+    assert select_draft_vocab(counts, 3, always=(6,)).tolist() == [2, 3, 6]
+    with pytest.raises(ValueError, match="sorted"):
+        build_heads(HeadsConfig(type="medusa", k=1), _Fake(), draft_ids=torch.tensor([4, 2]))
+
+
+class _Fake:  # the parts of a backbone MedusaHeads reads
+    hidden_size, vocab_size = 4, 9
+
+
+def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_path):
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.errors import ConfigError
+    from mtp_train.heads import heads_state_dict, load_heads
+
+    cfg = HeadsConfig(type="chained", k=2, draft_vocab=6)
+    heads = build_heads(cfg, tiny_backbone, draft_ids=torch.tensor([3, 7, 8, 40, 100, 258]))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    save_file(heads_state_dict(heads), str(tmp_path / "heads.safetensors"))
+    meta = {"heads": dataclasses.asdict(cfg), "backbone": {"hidden_size": 64, "vocab_size": 259}}
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    loaded, _ = load_heads(tmp_path, tiny_backbone)
+    for n, t in heads.state_dict().items():
+        assert torch.equal(loaded.state_dict()[n], t), n
+    meta["backbone"]["hidden_size"] = 576
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="hidden_size=576"):
+        load_heads(tmp_path, tiny_backbone)

@@ -381,3 +381,33 @@ def test_shape_mismatches_are_rejected():
         kl_loss(logits, teacher[:, :-1], _mask("ones"))
     with pytest.raises(ValueError, match="targets"):
         ce_loss(logits, targets[..., :-1], _mask("ones"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# teacher given as log-probabilities (draft vocabulary: p restricted to |D| tokens, sums to < 1)
+
+
+def test_teacher_logprobs_on_a_draft_vocabulary_use_the_unrenormalised_p():
+    logits, teacher, targets = _inputs(seed=7)  # teacher: logits over the full vocabulary
+    full_logp = torch.log_softmax(teacher, -1)
+    draft = torch.tensor([0, 2, 3])  # a vocabulary subset
+    sub = full_logp[..., draft]  # (B, T, K, 3) sums to < 1
+    q_sub = logits[..., draft]
+    alpha = acceptance(q_sub, sub, teacher_logprobs=True)
+    p, q = sub.exp(), torch.softmax(q_sub, -1)
+    for b in range(B):  # slow reference: sum over the draft tokens of min(p_full(v), q(v))
+        for t in range(T):
+            for j in range(K):
+                ref = sum(min(p[b, t, j, v].item(), q[b, t, j, v].item()) for v in range(3))
+                assert math.isclose(alpha[b, t, j].item(), ref, rel_tol=1e-12)
+    # with the full vocabulary, log-probabilities and logits are the same teacher
+    m = torch.ones(B, T, K)
+    for name in ("kl", "tv", "e2e_tv"):
+        a = compute_loss(name, logits, teacher_logits=teacher, mask=m).loss
+        b_ = compute_loss(name, logits, teacher_logits=full_logp, mask=m, teacher_logprobs=True).loss
+        assert math.isclose(a.item(), b_.item(), rel_tol=1e-10)
+    # KL with a sub-normalised p is minimised by q = p / Z (the renormalised restriction)
+    best = compute_loss("kl", torch.log_softmax(sub, -1), teacher_logits=sub, mask=m,
+                        teacher_logprobs=True).loss
+    other = compute_loss("kl", q_sub, teacher_logits=sub, mask=m, teacher_logprobs=True).loss
+    assert best < other

@@ -30,18 +30,3 @@ def test_teacher_is_the_backbone_at_t_plus_j():
     assert torch.equal(out[:, 1, 0], x[:, 2]) and torch.equal(out[:, 1, 1], x[:, 3])
     assert torch.all(out[:, 5, 0] == 0) and torch.all(out[:, 4, 1] == 0)
     assert torch.equal(shift_for_depths(x, 1, offset=1)[:, 0, 0], x[:, 2])
-
-
-def test_teacher_at_rows_equals_the_full_shift_where_targets_exist():
-    from mtp_train.targets import teacher_at_rows
-
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 7, 5, generator=g)
-    rows = torch.rand(2, 7, generator=g) < 0.6
-    k = 3
-    got = teacher_at_rows(x, rows, k)  # (N, k, V)
-    full = teacher_for_depths(x, k)[rows]  # (N, k, V)
-    t = rows.nonzero(as_tuple=True)[1]
-    inside = (t[:, None] + torch.arange(1, k + 1)) < 7  # (N, k)
-    assert got.shape == full.shape
-    assert torch.equal(got[inside], full[inside])

@@ -136,3 +136,19 @@ def test_resuming_with_other_heads_or_backbone_is_refused(typed_cfg, change, key
     run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2"))
     with pytest.raises(ConfigError, match=f"was made with another {key}"):
         run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", change))
+
+
+def test_a_draft_vocabulary_is_chosen_from_the_data_and_saved_with_the_heads(typed_cfg, tmp_path):
+    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=kl", "heads.draft_vocab=48")
+    metrics = run_train(cfg)
+    saved = load_file(str(tmp_path / "out" / "heads.safetensors"))
+    meta = json.loads((tmp_path / "out" / "heads.json").read_text())
+    draft = saved["draft_ids"]
+    assert meta["draft_size"] == len(draft) == 48 and meta["heads"]["draft_vocab"] == 48
+    assert torch.equal(draft, draft.sort().values) and len(set(draft.tolist())) == 48
+    from mtp_train.backbone import build_tiny_tokenizer
+
+    assert build_tiny_tokenizer().eos_token_id in draft.tolist()  # the end of turn stays draftable
+    assert 1.0 <= metrics["val/sim_tau"] <= 3.0
+    with pytest.raises(MtpError, match="heads.draft_vocab"):
+        run_train(typed_cfg(*FAST, "heads.draft_vocab=100000"))

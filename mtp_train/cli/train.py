@@ -24,7 +24,7 @@ from mtp_train.cli.prep import data_dirs
 from mtp_train.config import Config
 from mtp_train.errors import ConfigError
 
-HEADS_FILE, HEADS_META = "heads.safetensors", "heads.json"
+from mtp_train.heads import HEADS_FILE, HEADS_META
 
 
 def open_cache(cfg: Config, backbone):
@@ -43,6 +43,28 @@ def open_cache(cfg: Config, backbone):
         return None
     log.info("training from the hidden-state cache %s (%s tokens)", path, f"{m['tokens']:,}")
     return HiddenCache(path)
+
+
+def draft_vocab_for(cfg: Config, backbone):
+    """heads.draft_vocab=N: the N most frequent assistant tokens of the training split (plus the end
+    of turn), as sorted token ids; None when the heads score the whole vocabulary."""
+    n = cfg.heads.draft_vocab
+    if n is None:
+        return None
+    if n > backbone.vocab_size:
+        raise ConfigError(f"heads.draft_vocab: {n} is larger than the backbone's vocabulary "
+                          f"({backbone.vocab_size}); use null for the whole vocabulary")
+    from mtp_train.heads.vocab import label_token_counts, select_draft_vocab
+    from mtp_train.lit.data import load_splits
+
+    counts = label_token_counts(load_splits(data_dirs(cfg))["train"], backbone.vocab_size)
+    special = tuple(t for t in (backbone.tokenizer.eos_token_id, backbone.tokenizer.pad_token_id)
+                    if t is not None)
+    ids = select_draft_vocab(counts, n, always=special)
+    covered = counts[ids.numpy()].sum() / max(1, counts.sum())
+    log.info("draft vocabulary: %d of %d tokens, covering %.1f%% of the training targets",
+             len(ids), backbone.vocab_size, 100 * covered)
+    return ids
 
 
 def ensure_tiny_data(cfg: Config) -> None:
@@ -102,13 +124,14 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict) -> Pa
     from safetensors.torch import save_file
 
     from mtp_train.artifacts import write_json_atomic
-    from mtp_train.lit.module import trainable_state_dict
+    from mtp_train.heads import heads_state_dict
 
     tmp = run_dir / (HEADS_FILE + ".tmp")
-    save_file(trainable_state_dict(heads), str(tmp))
+    save_file(heads_state_dict(heads), str(tmp))
     os.replace(tmp, run_dir / HEADS_FILE)
     write_json_atomic(run_dir / HEADS_META, {
-        "head_type": cfg.heads.type, "k": cfg.heads.k, "heads": OmegaConf.to_container(
+        "head_type": cfg.heads.type, "k": cfg.heads.k, "draft_size": heads.draft_size,
+        "heads": OmegaConf.to_container(
             OmegaConf.structured(cfg.heads)),
         "backbone": {"name": backbone.name, "hidden_size": backbone.hidden_size,
                      "vocab_size": backbone.vocab_size},
@@ -136,7 +159,7 @@ def run_train(cfg: Config) -> dict:
     max_length = cfg.train.max_length or cfg.data.max_length
     if cfg.heads.k >= max_length - 1:
         raise ConfigError(f"heads.k: {cfg.heads.k} leaves no target in rows of {max_length} tokens")
-    heads = build_heads(cfg.heads, backbone)
+    heads = build_heads(cfg.heads, backbone, draft_ids=draft_vocab_for(cfg, backbone))
     n = count_parameters(heads)
     log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen)", cfg.heads.type,
              cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()):,}")

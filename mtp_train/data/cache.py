@@ -1,10 +1,12 @@
 """Hidden-state cache: run the frozen backbone once, train the heads many times.
 
-Every loss needs only the backbone's final hidden states h_t: the teacher distribution is
-lm_head(h) and the AdaMTP entropy follows from it, both cheap next to the backbone's 30 layers. So
-`mtp-prep stage=cache` stores h for every token of the training data (float16 by default, d x 2
-bytes a token: 1,152 bytes for SmolLM2), in shards of rows written atomically (a killed run resumes
-from its last shard), as .npy files that training memory-maps (no pickle, nothing loaded whole).
+Every loss needs only the backbone's final hidden states h_t and three numbers per position that
+summarise its full-vocabulary distribution (`teacher.backbone_stats`: log-normaliser, greedy token,
+entropy): with them the teacher over a draft vocabulary is one |D|-column matmul and training never
+touches the V-sized logits. So `mtp-prep stage=cache` stores, for every token of the training data,
+h (float16 by default, d x 2 bytes: 1,152 for SmolLM2) and the stats (12 bytes), in shards of rows
+written atomically (a killed run resumes from its last shard), as .npy files that training
+memory-maps (no pickle, nothing loaded whole).
 
 The cache directory is keyed by the hash of the datasets' manifests, the backbone's identity, the
 row length and the dtype: a changed input gets a new key, so a stale cache is never read.
@@ -27,6 +29,7 @@ from mtp_train.errors import DataError
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation")
 NP_DTYPES = {"float16": np.float16, "float32": np.float32}
+FORMAT = 2  # 2: hidden states + backbone stats; bump when the stored layout changes
 
 
 def cache_key(data_dirs: list[Path], backbone_identity: dict | None, max_length: int, dtype: str) -> str:
@@ -37,7 +40,7 @@ def cache_key(data_dirs: list[Path], backbone_identity: dict | None, max_length:
             raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` first")
         manifests.append(m["config_hash"])
     return config_hash({"data": manifests, "backbone": backbone_identity, "max_length": max_length,
-                        "dtype": dtype})
+                        "dtype": dtype, "format": FORMAT})
 
 
 def cache_path(base: Path, key: str) -> Path:
@@ -69,19 +72,23 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
                 bar.update(end - start)
                 continue
             ids = [list(r)[:max_length] for r in rows.select(range(start, end))["input_ids"]]
-            hidden = np.concatenate([_hidden_rows(backbone, ids[b: b + batch_size], dtype)
-                                     for b in range(0, len(ids), batch_size)])  # (tokens, d)
+            parts = [_hidden_rows(backbone, ids[b: b + batch_size], dtype)
+                     for b in range(0, len(ids), batch_size)]
+            hidden = np.concatenate([p[0] for p in parts])  # (tokens, d)
             offsets = np.cumsum([0] + [len(x) for x in ids]).astype(np.int64)  # (rows + 1,)
             tmp = final.with_name(final.name + f".tmp-{os.getpid()}.npy")
             np.save(tmp, hidden)
             np.save(_offsets_file(final), offsets)
+            np.save(_sidecar(final, "stats"), np.concatenate([p[1] for p in parts]))  # (tokens, 2)
+            np.save(_sidecar(final, "top"), np.concatenate([p[2] for p in parts]))  # (tokens,)
             os.replace(tmp, final)  # the hidden file last: its presence marks the shard done
             tokens += hidden.shape[0]
             bar.update(end - start)
     bar.close()
     stored = sum(f.stat().st_size for f in out.glob("*.npy"))
     n_tokens = sum(int(np.load(f, mmap_mode="r").shape[0]) for f in out.glob("*-?????.npy"))
-    manifest = {"stage": "cache", "config_hash": key, "dtype": dtype, "max_length": max_length,
+    manifest = {"stage": "cache", "config_hash": key, "format": FORMAT, "dtype": dtype,
+                "max_length": max_length,
                 "hidden_size": backbone.hidden_size,
                 "rows": {s: len(splits[s]) for s in SPLITS}, "shard_rows": shard_rows,
                 "tokens": n_tokens, "bytes": stored,
@@ -93,23 +100,35 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
 
 
 def _offsets_file(hidden_file: Path) -> Path:
-    return hidden_file.with_name(hidden_file.stem + ".offsets.npy")
+    return _sidecar(hidden_file, "offsets")
 
 
-def _hidden_rows(backbone, ids: list[list[int]], dtype: str) -> np.ndarray:
-    """One right-padded batch -> the real positions' hidden states, rows concatenated (tokens, d)."""
+def _sidecar(hidden_file: Path, what: str) -> Path:
+    return hidden_file.with_name(f"{hidden_file.stem}.{what}.npy")
+
+
+def _hidden_rows(backbone, ids: list[list[int]], dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One right-padded batch -> the real positions' hidden states (tokens, d), stats (tokens, 2)
+    float32 [lse, entropy] and greedy tokens (tokens,) int32, rows concatenated."""
+    from mtp_train.teacher import backbone_stats
+
     T = max(len(x) for x in ids)
     inp = torch.zeros((len(ids), T), dtype=torch.long)
     attn = torch.zeros((len(ids), T), dtype=torch.long)
     for i, x in enumerate(ids):
         inp[i, : len(x)] = torch.as_tensor(x)
         attn[i, : len(x)] = 1
-    h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device)).float().cpu()  # (B, T, d)
-    return np.concatenate([h[i, : len(x)].numpy() for i, x in enumerate(ids)]).astype(NP_DTYPES[dtype])
+    h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device))  # (B, T, d)
+    st = {k: v.cpu() for k, v in backbone_stats(backbone.logits(h)).items()}  # (B, T) each
+    real = attn.bool()  # (B, T); rows are right-padded, so this keeps each row's tokens in order
+    stats = torch.stack([st["lse"][real], st["entropy"][real]], -1).numpy()  # (tokens, 2)
+    return (h.float().cpu()[real].numpy().astype(NP_DTYPES[dtype]), stats,
+            st["top"][real].numpy().astype(np.int32))
 
 
 class HiddenCache:
-    """Memory-mapped read access: `cache.rows(split)[i]` -> (T_i, d) float array."""
+    """Memory-mapped read access: `cache.row(split, i)` -> (T_i, d) hidden states,
+    `cache.stats(split, i)` -> {"lse", "entropy": (T_i,) float32, "top": (T_i,) int32}."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -122,12 +141,22 @@ class HiddenCache:
         shards, i = [], 0
         while (f := _shard_file(self.path, split, i)).is_file():
             shards.append((np.load(f, mmap_mode="r", allow_pickle=False),
-                           np.load(_offsets_file(f), allow_pickle=False)))
+                           np.load(_offsets_file(f), allow_pickle=False),
+                           np.load(_sidecar(f, "stats"), mmap_mode="r", allow_pickle=False),
+                           np.load(_sidecar(f, "top"), mmap_mode="r", allow_pickle=False)))
             i += 1
         return shards
 
-    def row(self, split: str, i: int) -> np.ndarray:
+    def _locate(self, split: str, i: int):
         rows_per = self.manifest["shard_rows"]
-        hidden, offsets = self._splits[split][i // rows_per]
-        j = i % rows_per
-        return hidden[offsets[j]: offsets[j + 1]]
+        shard = self._splits[split][i // rows_per]
+        offsets, j = shard[1], i % rows_per
+        return shard, slice(int(offsets[j]), int(offsets[j + 1]))
+
+    def row(self, split: str, i: int) -> np.ndarray:
+        shard, span = self._locate(split, i)
+        return shard[0][span]
+
+    def stats(self, split: str, i: int) -> dict[str, np.ndarray]:
+        shard, span = self._locate(split, i)
+        return {"lse": shard[2][span, 0], "entropy": shard[2][span, 1], "top": shard[3][span]}

@@ -1,30 +1,76 @@
-"""Draft heads: plain nn.Modules (no Lightning, no Hydra). `build_heads` picks one from the config.
+"""Draft heads: plain nn.Modules (no Lightning, no Hydra). `build_heads` picks one from the config,
+`load_heads` rebuilds trained heads from `heads.safetensors` + `heads.json`.
 
 Both families share one interface:
     forward(hidden (B, T, d), input_ids (B, T), embed, attention_mask) -> (B, T, k, d)
-    project(head_hidden (B, T, k, d), lm_head) -> logits (B, T, k, V)
+    project(head_hidden (B, T, k, d), lm_head) -> logits (B, T, k, |D|)
+    to_tokens / to_draft   draft index <-> token id (identity without a draft vocabulary)
 The backbone's embedding and LM head are passed in at call time, never stored, so a heads
-state_dict holds only what trains.
+state_dict holds only what trains (plus the draft vocabulary's token ids, when there is one).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
 from torch import nn
 
 from mtp_train.config import HeadsConfig
+from mtp_train.errors import ConfigError, MtpError
 from mtp_train.heads.chained import ChainedMTP
 from mtp_train.heads.medusa import MedusaHeads
 
-__all__ = ["ChainedMTP", "MedusaHeads", "build_heads", "count_parameters"]
+__all__ = ["HEADS_FILE", "HEADS_META", "ChainedMTP", "MedusaHeads", "build_heads", "count_parameters",
+           "heads_state_dict", "load_heads"]
+
+HEADS_FILE, HEADS_META = "heads.safetensors", "heads.json"
 
 
-def build_heads(cfg: HeadsConfig, backbone) -> nn.Module:
+def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = None) -> nn.Module:
     if cfg.type == "medusa":
         copy = backbone.lm_head.weight.detach() if cfg.lm_head == "copy" else None
-        return MedusaHeads(backbone.hidden_size, backbone.vocab_size, cfg.k, cfg.num_layers, copy)
-    return ChainedMTP(backbone.config, cfg.k, init_from=backbone.model.base_model)
+        return MedusaHeads(backbone.hidden_size, backbone.vocab_size, cfg.k, cfg.num_layers, copy,
+                           draft_ids=draft_ids)
+    return ChainedMTP(backbone.config, cfg.k, init_from=backbone.model.base_model, draft_ids=draft_ids)
 
 
 def count_parameters(module: nn.Module) -> dict:
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return {"trainable": trainable, "total": sum(p.numel() for p in module.parameters())}
+
+
+def heads_state_dict(heads: nn.Module) -> dict[str, torch.Tensor]:
+    """What a heads file holds: the parameters that train, and the draft vocabulary's ids if any."""
+    names = {n for n, p in heads.named_parameters() if p.requires_grad}
+    if getattr(heads, "draft_ids", None) is not None:
+        names.add("draft_ids")
+    return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}
+
+
+def load_heads(path: str | Path, backbone) -> tuple[nn.Module, dict]:
+    """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`.
+
+    Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    meta_file, weights = d / HEADS_META, d / HEADS_FILE
+    if not meta_file.is_file() or not weights.is_file():
+        raise MtpError(f"{d}: expected {HEADS_FILE} and {HEADS_META} (written by mtp-train)")
+    meta = json.loads(meta_file.read_text())
+    bb = meta.get("backbone", {})
+    for key, have in (("hidden_size", backbone.hidden_size), ("vocab_size", backbone.vocab_size)):
+        if bb.get(key) != have:
+            raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
+                              f"this backbone ({backbone.name}) has {have}")
+    state = load_file(str(weights))
+    cfg = HeadsConfig(**meta["heads"])
+    heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise MtpError(f"{weights}: does not match {cfg.type} heads with k={cfg.k} "
+                       f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
+    return heads.to(backbone.device).eval(), meta

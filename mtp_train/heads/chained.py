@@ -24,6 +24,8 @@ import copy
 import torch
 from torch import nn
 
+from mtp_train.heads.vocab import DraftVocab
+
 
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6):
@@ -52,11 +54,13 @@ def one_layer_model(backbone_config, init_from: nn.Module | None = None) -> nn.M
     return model
 
 
-class ChainedMTP(nn.Module):
-    def __init__(self, backbone_config, k: int, init_from: nn.Module | None = None):
+class ChainedMTP(DraftVocab):
+    def __init__(self, backbone_config, k: int, init_from: nn.Module | None = None,
+                 draft_ids: torch.Tensor | None = None):
         super().__init__()
         d = backbone_config.hidden_size
-        self.k, self.hidden_size, self.vocab_size = k, d, backbone_config.vocab_size
+        self.k, self.hidden_size = k, d
+        self._init_draft(backbone_config.vocab_size, draft_ids)
         eps = getattr(backbone_config, "rms_norm_eps", 1e-6)
         self.norm_emb = nn.ModuleList(RMSNorm(d, eps) for _ in range(k))
         self.norm_hidden = nn.ModuleList(RMSNorm(d, eps) for _ in range(k))
@@ -87,4 +91,4 @@ class ChainedMTP(nn.Module):
         return torch.stack(outs, dim=2)  # (B, T, k, d)
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return lm_head(head_hidden)  # (B, T, k, V), shared head
+        return head_hidden @ self.draft_weight(lm_head).T  # (B, T, k, |D|), shared head

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtp_train.heads.vocab import DraftVocab
+
 
 class ResBlock(nn.Module):
     def __init__(self, d: int):
@@ -26,21 +28,24 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocab):
     def __init__(self, hidden_size: int, vocab_size: int, k: int, num_layers: int = 1,
-                 lm_head_weight: torch.Tensor | None = None):
-        """`lm_head_weight` (V, d): given = each depth gets a trainable copy; None = shared head."""
+                 lm_head_weight: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None):
+        """`lm_head_weight` (V, d): given = each depth gets a trainable copy (of the draft vocabulary's
+        rows when `draft_ids` is given); None = the shared head."""
         super().__init__()
-        self.k, self.hidden_size, self.vocab_size = k, hidden_size, vocab_size
+        self.k, self.hidden_size = k, hidden_size
+        self._init_draft(vocab_size, draft_ids)
         # a comprehension builds k distinct modules; `[ResBlock(d)] * k` would tie them
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(k))
         self.lm_heads = None
         if lm_head_weight is not None:
-            self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(k))
+            rows = lm_head_weight if self.draft_ids is None else lm_head_weight[self.draft_ids]
+            self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, len(rows), bias=False) for _ in range(k))
             with torch.no_grad():
                 for head in self.lm_heads:
-                    head.weight.copy_(lm_head_weight)
+                    head.weight.copy_(rows)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                 embed: nn.Module | None = None, attention_mask: torch.Tensor | None = None):
@@ -48,7 +53,7 @@ class MedusaHeads(nn.Module):
         return torch.stack([blk(hidden) for blk in self.blocks], dim=2)  # (B, T, k, d)
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """(B, T, k, d) -> logits (B, T, k, V) with the shared head or the per-depth copies."""
+        """(B, T, k, d) -> logits (B, T, k, |D|) with the shared head or the per-depth copies."""
         if self.lm_heads is None:
-            return lm_head(head_hidden)
+            return head_hidden @ self.draft_weight(lm_head).T
         return torch.stack([h(head_hidden[..., j, :]) for j, h in enumerate(self.lm_heads)], dim=-2)

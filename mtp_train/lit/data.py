@@ -44,6 +44,8 @@ class Collator:
         cached = "hidden" in rows[0]
         if cached:
             hidden = torch.zeros((len(rows), T, rows[0]["hidden"].shape[-1]))  # (B, T, d)
+            stats = {"lse": torch.zeros((len(rows), T)), "entropy": torch.zeros((len(rows), T)),
+                     "top": torch.zeros((len(rows), T), dtype=torch.long)}  # (B, T) each
         for i, r in enumerate(rows):
             n = min(T, len(r["input_ids"]))
             ids[i, :n] = torch.as_tensor(r["input_ids"][:n])
@@ -51,9 +53,12 @@ class Collator:
             attn[i, :n] = 1
             if cached:
                 hidden[i, :n] = torch.from_numpy(np.asarray(r["hidden"][:n], dtype=np.float32))
+                for name, t in stats.items():
+                    t[i, :n] = torch.from_numpy(np.asarray(r[name][:n]).astype(np.int64 if name == "top"
+                                                                               else np.float32))
         batch = {"input_ids": ids, "labels": labels, "attention_mask": attn}
         if cached:
-            batch["hidden"] = hidden
+            batch.update(hidden=hidden, **stats)
         return batch
 
 
@@ -70,7 +75,8 @@ class CachedRows(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
-        return {**self.rows[i], "hidden": self.cache.row(self.split, i)}
+        return {**self.rows[i], "hidden": self.cache.row(self.split, i),
+                **self.cache.stats(self.split, i)}
 
 
 class ResumableSampler(Sampler):

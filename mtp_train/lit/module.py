@@ -1,8 +1,8 @@
 """LightningModule that trains draft heads on a frozen backbone.
 
 The backbone is held as a plain attribute (a `Backbone` dataclass, not a submodule), so Lightning's
-optimizer, state_dict and checkpoints see only the heads: `trainable_state_dict` is the one function
-that decides what trains and what a checkpoint holds. One `model_step` serves training and validation.
+optimizer, state_dict and checkpoints see only the heads: `heads.heads_state_dict` is the one function
+that decides what a heads file holds. One `model_step` serves training and validation.
 
 Logged per depth j (keys `split/name_dj`): loss, acc (argmax == data token), agree (argmax == the
 backbone's own greedy token), alpha (1 - TV), masked (AdaMTP fraction dropped) and `val/sim_tau`:
@@ -19,8 +19,9 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from mtp_train.config import LossConfig, TrainConfig
 from mtp_train.errors import MtpError
 from mtp_train.losses import acceptance, compute_loss
-from mtp_train.segmentation import make_adamtp_mask, masked_fraction
-from mtp_train.targets import depth_targets, teacher_at_rows
+from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
+from mtp_train.targets import depth_targets
+from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
 
 
 class NonFiniteLoss(MtpError):
@@ -55,47 +56,61 @@ class MTPHeadsModule(L.LightningModule):
 
     def model_step(self, batch: dict, split: str) -> torch.Tensor:
         ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
+        heads, lm_head = self.heads, self.backbone.lm_head
         with torch.no_grad():
-            if "hidden" in batch:  # from the hidden-state cache: the backbone's layers are skipped
-                hidden = batch["hidden"].to(self.backbone.lm_head.weight.dtype)  # (B, T, d)
+            full = None
+            if "hidden" in batch:  # from the hidden-state cache: no backbone layer and no V-sized logits
+                hidden = batch["hidden"].to(lm_head.weight.dtype)  # (B, T, d)
+                stats = {name: batch[name] for name in ("lse", "top", "entropy")}  # (B, T) each
             else:
                 hidden = self.backbone.hidden_states(ids, attn)  # (B, T, d)
-            bb_logits = self.backbone.logits(hidden).float()  # (B, T, V)
+                full = self.backbone.logits(hidden)  # (B, T, V)
+                stats = backbone_stats(full)
         targets, valid = depth_targets(ids, labels, self.k, attn)  # (B, T, k) x 2
-        rows = valid.any(-1)  # (B, T) positions with at least one target: only these get V-sized logits
+        rows = valid.any(-1)  # (B, T) positions with at least one target: only these are projected
         if not rows.any():
             return self.heads_zero()
-        head_hidden = self.heads(hidden, ids, self.backbone.embed_tokens, attn)  # (B, T, k, d)
-        logits = self.heads.project(head_hidden[rows], self.backbone.lm_head)[None]  # (1, N, k, V)
+        head_hidden = heads(hidden, ids, self.backbone.embed_tokens, attn)  # (B, T, k, d)
+        logits = heads.project(head_hidden[rows], lm_head)[None]  # (1, N, k, |D|)
         with torch.no_grad():
-            teacher = teacher_at_rows(bb_logits, rows, self.k)[None]  # (1, N, k, V)
+            weight = heads.draft_weight(lm_head)  # (|D|, d)
+            teacher = teacher_log_probs(hidden, stats["lse"], rows, self.k, weight,
+                                        logits=full if heads.draft_ids is None else None)[None]
+            b, pos = positions_ahead(rows, self.k)  # (N, 1), (N, k)
+            bb_top = stats["top"][b, pos][None]  # (1, N, k) the backbone's greedy token per depth
         mask = valid[rows][None]  # (1, N, k)
+        target_tok = targets[rows][None]  # (1, N, k) token ids
         if self.loss_cfg.adamtp:
             lc = self.loss_cfg
-            ada = make_adamtp_mask(bb_logits, self.k, lc.segment_rule, lc.theta, lc.zscore_window,
-                                   lc.zscore_threshold, valid_tokens=attn.bool())  # (B, T, k)
+            ada = adamtp_mask_from_entropy(stats["entropy"], self.k, lc.segment_rule, lc.theta,
+                                           lc.zscore_window, lc.zscore_threshold,
+                                           valid_tokens=attn.bool())  # (B, T, k)
             frac = masked_fraction(ada & valid, valid)  # (k,)
             for j in range(self.k):
                 self.log(f"{split}/masked_d{j + 1}", frac[j], on_step=False, on_epoch=True)
             mask = mask & ada[rows][None]
-        out = compute_loss(self.loss_cfg.name, logits, targets=targets[rows][None],
-                           teacher_logits=teacher, mask=mask, depth_weights=self.loss_cfg.depth_weights)
+        target_idx = heads.to_draft(target_tok)  # (1, N, k), -1 outside the draft vocabulary
+        if self.loss_cfg.name == "ce":  # a token the heads cannot score is no CE target
+            mask = mask & (target_idx >= 0)
+        out = compute_loss(self.loss_cfg.name, logits, targets=target_idx.clamp(min=0),
+                           teacher_logits=teacher, mask=mask, depth_weights=self.loss_cfg.depth_weights,
+                           teacher_logprobs=True)
         if not torch.isfinite(out.loss):
             bad = [j + 1 for j in range(self.k) if not torch.isfinite(out.per_depth[j])]
             raise NonFiniteLoss(f"non-finite {self.loss_cfg.name} loss at step {self.global_step} "
                                 f"({split}), depth(s) {bad or 'all'}; the last good checkpoint is kept")
-        self._log_metrics(split, out, logits.detach(), teacher, targets[rows][None], valid[rows][None])
+        self._log_metrics(split, out, logits.detach(), teacher, target_tok, bb_top, valid[rows][None])
         return out.loss
 
     def heads_zero(self) -> torch.Tensor:
         return sum(p.sum() * 0.0 for p in self.heads.parameters())
 
     @torch.no_grad()
-    def _log_metrics(self, split, out, logits, teacher, targets, valid) -> None:
-        top = logits.argmax(-1)  # (1, N, k)
+    def _log_metrics(self, split, out, logits, teacher, targets, bb_top, valid) -> None:
+        top = self.heads.to_tokens(logits.argmax(-1))  # (1, N, k) token ids
         acc = (top == targets) & valid
-        agree = (top == teacher.argmax(-1)) & valid
-        alpha = acceptance(logits, teacher)  # (1, N, k)
+        agree = (top == bb_top) & valid
+        alpha = acceptance(logits, teacher, teacher_logprobs=True)  # (1, N, k)
         n = valid.sum(dim=(0, 1)).clamp_min(1)  # (k,)
         on_step = split == "train"
         self.log(f"{split}/loss", out.loss, prog_bar=True, on_step=on_step, on_epoch=True)
@@ -155,9 +170,3 @@ class MTPHeadsModule(L.LightningModule):
             opt, num_warmup_steps=self.train_cfg.warmup_steps, num_training_steps=total,
             min_lr_rate=self.train_cfg.min_lr_ratio)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def trainable_state_dict(heads: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What trains, and so what is saved: the heads' parameters that require grad."""
-    names = {n for n, p in heads.named_parameters() if p.requires_grad}
-    return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}

@@ -1,0 +1,77 @@
+"""What the losses need from the frozen backbone, in a form that never needs the full vocabulary twice.
+
+Per position t the backbone's distribution p_t = softmax(W h_t) is summed up by three numbers:
+    lse_t      log sum_v exp(W h_t)_v          (normalises any subset of the logits)
+    top_t      argmax_v (W h_t)_v              (its greedy token: what verification accepts)
+    entropy_t  -sum_v p_t(v) log p_t(v)        (AdaMTP boundaries)
+`backbone_stats` computes them once from the full logits (live, or when the cache is built); after
+that the teacher for a draft vocabulary D is log p_t(v) = (W_D h_t)_v - lse_t for v in D, a |D|-column
+matmul instead of a V-column one. With D = the full vocabulary this is exactly log_softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# float32 elements of one chunk's temporaries (64 MiB); a few such temporaries live at once
+_CHUNK_ELEMS = 1 << 24
+
+
+@torch.no_grad()
+def backbone_stats(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(..., V) logits -> {"lse": (...) float32, "top": (...) long, "entropy": (...) float32}."""
+    shape, V = logits.shape[:-1], logits.shape[-1]
+    rows = logits.reshape(-1, V)  # (n, V)
+    chunk = max(1, _CHUNK_ELEMS // max(V, 1))
+    lse, top, ent = [], [], []
+    for s in range(0, rows.shape[0], chunk):
+        x = rows[s: s + chunk].float()  # (c, V)
+        m = torch.logsumexp(x, dim=-1)  # (c,)
+        p = torch.exp(x - m[:, None])  # (c, V)
+        # H = lse - sum p x; p = 0 at -inf logits, where p * x is nan and must count as 0
+        px = torch.where(p > 0, p * x, torch.zeros_like(p))  # (c, V)
+        lse.append(m)
+        ent.append(m - px.sum(-1))
+        top.append(x.argmax(-1))
+    if not lse:
+        z = logits.new_zeros(shape, dtype=torch.float32)
+        return {"lse": z, "top": z.long(), "entropy": z.clone()}
+    return {"lse": torch.cat(lse).reshape(shape), "top": torch.cat(top).reshape(shape),
+            "entropy": torch.cat(ent).reshape(shape)}
+
+
+def positions_ahead(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) bool selection -> (b (N, 1), pos (N, k)): for the n-th selected position t_n, the
+    positions t_n + 1 .. t_n + k whose backbone distribution is depth j's teacher. Positions past the
+    end repeat the last one; their targets are invalid (`depth_targets`) and must be masked."""
+    b, t = rows.nonzero(as_tuple=True)  # (N,), (N,)
+    T = rows.shape[1]
+    pos = (t[:, None] + torch.arange(1, k + 1, device=t.device)).clamp(max=T - 1)  # (N, k)
+    return b[:, None], pos
+
+
+@torch.no_grad()
+def teacher_log_probs(hidden: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, k: int,
+                      weight: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Depth-aligned teacher log-probabilities over the columns of `weight`.
+
+    hidden (B, T, d), lse (B, T), rows (B, T) bool, weight (V', d) the LM head's rows of the draft
+    vocabulary (or all of it) -> (N, k, V') with entry [n, j-1] = log p_{t_n + j} on those columns.
+    Each needed position is projected once, however many depths read it. `logits` (B, T, V'), when
+    the caller already has them (live backbone, full vocabulary), replaces the projection.
+    """
+    B, T = rows.shape
+    need = torch.zeros_like(rows)  # (B, T): positions some selected row reads as a teacher
+    for j in range(1, k + 1):
+        if j < T:
+            need[:, j:] |= rows[:, : T - j]
+    index = torch.full((B, T), -1, dtype=torch.long, device=rows.device)  # (B, T) -> row of `proj`
+    index[need] = torch.arange(int(need.sum()), device=rows.device)
+    if logits is not None:
+        proj = logits[need].float()  # (M, V')
+    else:
+        proj = hidden[need].float() @ weight.float().T  # (M, V')
+    proj = proj - lse[need].float()[:, None]  # (M, V') log-probabilities
+    b, pos = positions_ahead(rows, k)  # (N, 1), (N, k)
+    # a clamped past-the-end position may not be needed by anyone: -1 reads an arbitrary row, masked
+    return proj[index[b, pos]]  # (N, k, V')
