@@ -49,7 +49,7 @@ def main(overrides: list[str]) -> None:
         dm = MTPDataModule(data_dirs(cfg), backbone.tokenizer.pad_token_id or 0, cfg.train.batch_size,
                            max_length, cache=c)
         dm.setup()
-        batches = [b for _, b in zip(range(n_batches + 1), dm.val_dataloader())]
+        batches = [b for _, b in zip(range(n_batches + 1), dm.val_dataloader(), strict=False)]
         tokens, seconds = 0, 0.0
         for i, batch in enumerate(batches):
             t0 = time.perf_counter()

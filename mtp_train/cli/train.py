@@ -23,7 +23,6 @@ from mtp_train.cli.common import CONF_DIR, entry, log
 from mtp_train.cli.prep import data_dirs
 from mtp_train.config import Config
 from mtp_train.errors import ConfigError
-
 from mtp_train.heads import HEADS_FILE, HEADS_META
 
 
