@@ -43,6 +43,8 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
+	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
+	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

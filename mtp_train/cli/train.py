@@ -46,13 +46,11 @@ def open_cache(cfg: Config, backbone):
 
 def draft_vocab_for(cfg: Config, backbone):
     """heads.draft_vocab=N: the N most frequent assistant tokens of the training split (plus the end
-    of turn), as sorted token ids; None when the heads score the whole vocabulary."""
+    of turn), as sorted token ids; None when the heads score the whole vocabulary (N null, or at
+    least the backbone's vocabulary size: the setting is a cap)."""
     n = cfg.heads.draft_vocab
-    if n is None:
+    if n is None or n >= backbone.vocab_size:
         return None
-    if n > backbone.vocab_size:
-        raise ConfigError(f"heads.draft_vocab: {n} is larger than the backbone's vocabulary "
-                          f"({backbone.vocab_size}); use null for the whole vocabulary")
     from mtp_train.heads.vocab import label_token_counts, select_draft_vocab
     from mtp_train.lit.data import load_splits
 

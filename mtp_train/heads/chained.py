@@ -85,10 +85,19 @@ class ChainedMTP(DraftVocab):
         for j in range(1, self.k + 1):
             ahead = torch.zeros_like(emb_all)
             ahead[:, : T - j] = emb_all[:, j:]  # (B, T, d): emb(x_{t+j})
-            x = self.proj[j - 1](torch.cat([self.norm_emb[j - 1](ahead), self.norm_hidden[j - 1](h)], -1))
-            h = self.blocks[j - 1](inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
+            h = self.module_step(j, h, ahead, attention_mask=attention_mask)
             outs.append(h)
         return torch.stack(outs, dim=2)  # (B, T, k, d)
+
+    def module_step(self, j: int, prev: torch.Tensor, token_emb: torch.Tensor,
+                    attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Module j (1..k) on (B, n, d) previous-depth states and embeddings of the tokens j ahead ->
+        (B, n, d). With a transformers `cache` holding the module's earlier positions (decoding), the
+        n positions continue after them."""
+        x = self.proj[j - 1](torch.cat([self.norm_emb[j - 1](token_emb), self.norm_hidden[j - 1](prev)], -1))
+        out = self.blocks[j - 1](inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                                 use_cache=cache is not None)
+        return out.last_hidden_state
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         return head_hidden @ self.draft_weight(lm_head).T  # (B, T, k, |D|), shared head
