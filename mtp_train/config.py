@@ -216,6 +216,49 @@ class TrainConfig:
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
 
 
+DECODE_MODES = ("greedy", "verify", "relaxed", "clp", "adaptive")
+
+
+@dataclass
+class EvalConfig:
+    """mtp-eval: which heads, which prompts, which decoding modes (HF generate greedy always runs)."""
+
+    heads: str | None = None  # directory with heads.safetensors + heads.json (an mtp-train run)
+    clp: str | None = None  # directory with clp.safetensors + clp.json (mtp-clp), for mode clp
+    prompts: str | None = None  # JSONL with {"prompt": ...} rows; None = the held-out split
+    n_prompts: int | None = 8  # first N prompts (None = all)
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted in the report)
+    modes: list[str] = field(default_factory=lambda: ["greedy", "verify"])
+    warmup: int = 1  # prompts decoded once per mode before timing
+    delta: float = 0.3  # relaxed: keep d_i while p(d_i) >= delta * max p ...
+    budget: float = 1.0  # ... and the summed log-prob drift stays <= budget (0 = verify)
+    adaptive_policy: str = "cost"  # cost | entropy
+    entropy_low: float = 0.5  # adaptive entropy policy: all heads at or below (nats)
+    entropy_high: float = 3.0  # no head at or above
+
+    def __post_init__(self) -> None:
+        for m in self.modes:
+            _choice(m, DECODE_MODES, "eval.modes")
+        _check(len(set(self.modes)) == len(self.modes), "eval.modes", "lists a mode twice")
+        _check(self.n_prompts is None or self.n_prompts > 0, "eval.n_prompts", "must be > 0 or null")
+        _check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0")
+        _check(self.max_prompt_tokens > 0, "eval.max_prompt_tokens", "must be > 0")
+        _check(self.warmup >= 0, "eval.warmup", "must be >= 0")
+        _check(0 < self.delta <= 1, "eval.delta", "must be in (0, 1]")
+        _check(self.budget >= 0, "eval.budget", "must be >= 0")
+        _choice(self.adaptive_policy, ("cost", "entropy"), "eval.adaptive_policy")
+        _check(self.entropy_low < self.entropy_high, "eval.entropy_low", "must be below eval.entropy_high")
+
+    def check_inputs(self) -> None:
+        """What only mtp-eval needs (the schema's defaults must construct without heads)."""
+        _check(all(m == "greedy" for m in self.modes) or self.heads is not None, "eval.heads",
+               f"modes {[m for m in self.modes if m != 'greedy']} need trained heads: "
+               "eval.heads=<an mtp-train run directory>")
+        _check("clp" not in self.modes or self.clp is not None, "eval.clp",
+               "mode clp needs a fitted predictor: eval.clp=<an mtp-clp output directory>")
+
+
 @dataclass
 class PathsConfig:
     root_dir: str = MISSING
@@ -235,6 +278,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # kwargs of lightning.Trainer
     logger: dict[str, Any] | None = None  # name -> instantiable logger config

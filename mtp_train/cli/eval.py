@@ -1,15 +1,109 @@
-"""mtp-eval: measure decoding with trained heads against HF generate (issue 4; not implemented yet)."""
+"""mtp-eval: what trained heads buy when decoding, against HF generate greedy on the same prompts.
+
+  mtp-eval eval.heads=runs/demo/train                                  # greedy + verify
+  mtp-eval eval.heads=runs/demo/train eval.modes=[greedy,verify,relaxed,adaptive]
+  mtp-eval eval.heads=... eval.prompts=my_prompts.jsonl eval.n_prompts=null
+
+Writes eval_report.json, outputs.json (every mode's text per prompt), speedup.png and
+acceptance.png into the run directory, prints the table, and logs the same to W&B with logger=wandb.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import hydra
 
 from mtp_train.cli.common import CONF_DIR, entry, log
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError
+
+
+def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
+    """The prompts to decode and how many were skipped as too long for eval.max_prompt_tokens or
+    the backbone's context (prompt + max_new_tokens)."""
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.evaluate import held_out_prompts, load_prompts_jsonl
+
+    e = cfg.eval
+    if e.prompts:
+        prompts = load_prompts_jsonl(Path(e.prompts), backbone.tokenizer)
+    else:
+        prompts = held_out_prompts(labelled_dir(cfg))
+    context = getattr(backbone.config, "max_position_embeddings", None) or 10**9
+    keep = [p for p in prompts if len(p) <= e.max_prompt_tokens and len(p) + e.max_new_tokens <= context]
+    skipped = len(prompts) - len(keep)
+    if skipped:
+        log.warning("%d prompt(s) longer than eval.max_prompt_tokens=%d or the context (%d) skipped",
+                    skipped, e.max_prompt_tokens, context)
+    if not keep:
+        raise ConfigError("eval.max_prompt_tokens: every prompt is too long")
+    return keep[: e.n_prompts] if e.n_prompts else keep, skipped
+
+
+def run_eval(cfg: Config) -> dict:
+    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.train import ensure_tiny_data
+    from mtp_train.evaluate import print_table, run_modes, save_report, write_plots
+    from mtp_train.heads import load_heads
+
+    cfg.eval.check_inputs()
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.eval.prompts:
+        ensure_tiny_data(cfg)
+    backbone = load_backbone(cfg.backbone)
+    heads, meta = (load_heads(cfg.eval.heads, backbone) if cfg.eval.heads else (None, {}))
+    if "clp" in cfg.eval.modes:
+        raise ConfigError("eval.modes: clp needs a fitted CLP, which mtp-clp does not produce yet")
+    prompts, skipped = select_prompts(cfg, backbone)
+    log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each", len(prompts),
+             len(cfg.eval.modes), cfg.eval.max_new_tokens)
+    sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
+    report, outputs = run_modes(backbone, heads, prompts, cfg.eval, sim_tau=sim_tau)
+    report.update(backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
+                  max_new_tokens=cfg.eval.max_new_tokens)
+    path = save_report(report, out_dir)
+    tok = backbone.tokenizer
+    rows = [{"prompt": tok.decode(p), **{m: tok.decode(o[i]) for m, o in outputs.items()}}
+            for i, p in enumerate(prompts)]
+    write_json_atomic(out_dir / "outputs.json", rows)
+    plots = write_plots(report, out_dir)
+    print_table(report)
+    _to_wandb(cfg, report, plots)
+    log.info("report: %s", path)
+    return report
+
+
+def _to_wandb(cfg: Config, report: dict, plots: list[Path]) -> None:
+    if not cfg.logger or "wandb" not in cfg.logger:
+        return
+    import os
+
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ["WANDB_MODE"] = "offline"
+    lcfg = cfg.logger["wandb"]
+    run = wandb.init(project=lcfg.get("project"), name=f"{lcfg.get('name') or 'eval'}-eval",
+                     dir=cfg.paths.output_dir, job_type="eval", config={"eval": dict(vars(cfg.eval))})
+    cols = ["mode", *next(iter(report["modes"].values())).keys()]
+    table = wandb.Table(columns=cols, data=[[m, *[json.dumps(v) if isinstance(v, list) else v
+                                                   for v in r.values()]]
+                                            for m, r in report["modes"].items()])
+    run.log({"eval/report": table, **{f"eval/{p.stem}": wandb.Image(str(p)) for p in plots},
+             **{f"eval/{m}/{k}": v for m, r in report["modes"].items() for k, v in r.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+    run.summary["eval/step_cost"] = report["step_cost"]
+    run.finish()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @entry
-def main(cfg, typed):
-    log.error("mtp-eval is not implemented yet (the evaluator lands with issue 4)")
-    raise SystemExit(3)
+def main(cfg, typed: Config):
+    run_eval(typed)
 
 
 if __name__ == "__main__":

@@ -72,8 +72,10 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
                 bar.update(end - start)
                 continue
             ids = [list(r)[:max_length] for r in rows.select(range(start, end))["input_ids"]]
-            parts = [_hidden_rows(backbone, ids[b: b + batch_size], dtype)
-                     for b in range(0, len(ids), batch_size)]
+            parts = []
+            for b in range(0, len(ids), batch_size):  # the bar moves per batch, not per shard
+                parts.append(_hidden_rows(backbone, ids[b: b + batch_size], dtype))
+                bar.update(len(ids[b: b + batch_size]))
             hidden = np.concatenate([p[0] for p in parts])  # (tokens, d)
             offsets = np.cumsum([0] + [len(x) for x in ids]).astype(np.int64)  # (rows + 1,)
             tmp = final.with_name(final.name + f".tmp-{os.getpid()}.npy")
@@ -83,7 +85,6 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
             np.save(_sidecar(final, "top"), np.concatenate([p[2] for p in parts]))  # (tokens,)
             os.replace(tmp, final)  # the hidden file last: its presence marks the shard done
             tokens += hidden.shape[0]
-            bar.update(end - start)
     bar.close()
     stored = sum(f.stat().st_size for f in out.glob("*.npy"))
     n_tokens = sum(int(np.load(f, mmap_mode="r").shape[0]) for f in out.glob("*-?????.npy"))

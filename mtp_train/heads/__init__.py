@@ -59,13 +59,19 @@ def load_heads(path: str | Path, backbone) -> tuple[nn.Module, dict]:
     meta_file, weights = d / HEADS_META, d / HEADS_FILE
     if not meta_file.is_file() or not weights.is_file():
         raise MtpError(f"{d}: expected {HEADS_FILE} and {HEADS_META} (written by mtp-train)")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise MtpError(f"{meta_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
     bb = meta.get("backbone", {})
     for key, have in (("hidden_size", backbone.hidden_size), ("vocab_size", backbone.vocab_size)):
         if bb.get(key) != have:
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
                               f"this backbone ({backbone.name}) has {have}")
-    state = load_file(str(weights))
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors reports truncation and bad headers as several error types
+        raise MtpError(f"{weights}: not a readable safetensors file ({e})") from None
     cfg = HeadsConfig(**meta["heads"])
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
     missing, unexpected = heads.load_state_dict(state, strict=False)

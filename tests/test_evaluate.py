@@ -1,0 +1,116 @@
+"""mtp-eval: metrics against hand computations, the report's contract, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mtp_train.cli.eval import run_eval
+from mtp_train.errors import MtpError
+from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
+
+CORE_KEYS = {"tau", "alpha", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
+             "greedy_match_rate", "identical_to_greedy", "n_prompts", "new_tokens"}
+FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=3",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+        "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4"]
+
+
+def test_repetition_ratio_and_first_divergence_by_hand():
+    assert repetition_ratio([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 - 4 / 5)  # 5 grams, 4 unique
+    assert repetition_ratio([1, 2, 3]) == 0.0 and repetition_ratio(list(range(10))) == 0.0
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_backbone_nll_equals_a_token_by_token_loop(tiny_backbone):
+    bb = tiny_backbone
+    prompt, out = [5, 9, 17, 3], [44, 2, 100]
+    ref = []
+    for i, t in enumerate(out):
+        ids = torch.tensor([prompt + out[:i]])
+        with torch.no_grad():
+            logp = torch.log_softmax(bb.model(ids).logits[0, -1].double(), -1)
+        ref.append(-float(logp[t]))
+    assert backbone_nll(bb, prompt, out) == pytest.approx(sum(ref) / len(ref), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained_heads(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.cli.train import run_train
+    from mtp_train.config import validate
+
+    root = tmp_path_factory.mktemp("eval")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(compose("config", overrides=[f"paths.root_dir={root}", f"paths.output_dir={root}/train",
+                                                    *FAST, "heads.k=2"]))
+    run_train(cfg)
+    return root
+
+
+def _eval_cfg(root, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config import validate
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return validate(compose("config", overrides=[
+            f"paths.root_dir={root}", f"paths.output_dir={root}/eval", *FAST, "eval.n_prompts=3",
+            "eval.max_new_tokens=12", f"eval.heads={root}/train", *overrides]))
+
+
+def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_heads):
+    root = trained_heads
+    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,verify,relaxed,adaptive]", "eval.budget=0"))
+    saved = json.loads((root / "eval" / "eval_report.json").read_text())
+    assert set(saved["modes"]) == {"hf_generate", "greedy", "verify", "relaxed", "adaptive"}
+    for name, m in saved["modes"].items():
+        assert set(m) == CORE_KEYS, name
+        assert m["n_prompts"] == 3 and 3 <= m["new_tokens"] <= 36
+    v = saved["modes"]["verify"]
+    assert v["identical_to_greedy"] is True and v["greedy_match_rate"] == 1.0
+    assert saved["modes"]["relaxed"]["identical_to_greedy"] is True  # budget 0 = verify
+    assert 1.0 <= v["tau"] <= 3.0 and len(v["alpha"]) == 2
+    assert saved["modes"]["greedy"]["backbone_nll"] == pytest.approx(v["backbone_nll"])
+    assert saved["step_cost"] > 0 and saved["k"] == 2 and saved["sim_tau"] is not None
+    hist = saved["details"]["verify"]["accept_hist"]
+    assert len(hist) == 3 and sum(hist) > 0
+    assert math.isclose(saved["modes"]["hf_generate"]["speedup_vs_hf"], 1.0)
+    assert (root / "eval" / "speedup.png").stat().st_size > 0 and (root / "eval" / "acceptance.png").is_file()
+    assert report["modes"]["verify"] == v
+
+
+def test_eval_bad_inputs_name_the_problem(trained_heads, tmp_path):
+    root = trained_heads
+    empty = tmp_path / "p.jsonl"
+    empty.write_text('{"prompt": "hi"}\n{"prompt": "  "}\n')
+    with pytest.raises(MtpError, match=r"p.jsonl, line 2: empty prompt"):
+        run_eval(_eval_cfg(root, f"eval.prompts={empty}"))
+    none = tmp_path / "none.jsonl"
+    none.write_text("\n")
+    with pytest.raises(MtpError, match="no prompts"):
+        run_eval(_eval_cfg(root, f"eval.prompts={none}"))
+    with pytest.raises(MtpError, match="eval.heads"):
+        run_eval(_eval_cfg(root, "eval.heads=null"))
+    bad = tmp_path / "heads"
+    bad.mkdir()
+    (bad / "heads.json").write_text((root / "train" / "heads.json").read_text())
+    (bad / "heads.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(MtpError, match="heads.safetensors: not a readable safetensors"):
+        run_eval(_eval_cfg(root, f"eval.heads={bad}"))
+
+
+def test_over_long_prompts_are_skipped_and_counted(trained_heads, tmp_path):
+    root = trained_heads
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "short one"}\n{"prompt": "' + "long " * 200 + '"}\n')
+    report = run_eval(_eval_cfg(root, f"eval.prompts={f}", "eval.max_prompt_tokens=200", "eval.modes=[greedy]"))
+    assert report["skipped_prompts"] == 1 and report["modes"]["greedy"]["n_prompts"] == 1
