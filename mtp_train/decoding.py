@@ -32,11 +32,14 @@ Stopping is HF `generate`'s: after max_new_tokens, or on an end-of-sequence toke
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MODES = ("greedy", "verify", "relaxed", "clp", "adaptive")
@@ -59,6 +62,49 @@ class DecodeResult:
     @property
     def tau(self) -> float:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+
+# ---------------------------------------------------------------------------------------------------
+# small-batch matmuls: decoding multiplies every weight by 1..k+1 rows. With MKL on these CPUs,
+# F.linear (x @ W^T) costs about m times its one-row cost for m = 2..8 rows, while W @ x^T (the
+# weight as the left operand) stays flat: 4 rows through SmolLM2's LM head take 34 ms one way and
+# 7.5 ms the other (bench/decode.py prints the resulting step cost). Verification is only cheap if
+# k+1 tokens cost little more than 1, so the decoder routes small-batch linears through W @ x^T.
+
+SMALL_ROWS = 16
+
+
+def small_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (m, d) @ weight (n, d)^T for small m, computed as (weight @ x^T)^T (one row: F.linear,
+    which is as fast there)."""
+    if x.shape[0] == 1:
+        return F.linear(x, weight)
+    return torch.mm(weight, x.T).T
+
+
+def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > SMALL_ROWS or rows == 1 or x.requires_grad or x.dim() < 2:
+        return F.linear(x, self.weight, self.bias)
+    y = small_mm(x.reshape(rows, x.shape[-1]), self.weight).contiguous()  # callers .view() it
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+@contextlib.contextmanager
+def small_batch_linears(*modules: nn.Module):
+    """Within the block, every nn.Linear under `modules` uses `small_mm` for at most SMALL_ROWS rows."""
+    patched = []
+    for m in modules:
+        for lin in (x for x in m.modules() if type(x) is nn.Linear):
+            lin.forward = types.MethodType(_small_batch_linear, lin)
+            patched.append(lin)
+    try:
+        yield
+    finally:
+        for lin in patched:
+            del lin.forward  # back to the class's forward
 
 
 def _crop_to(cache, length: int) -> None:
@@ -87,7 +133,7 @@ class MedusaDrafter:
         h = hidden[-1]  # (d,)
         hh = torch.stack([blk(h) for blk in self.heads.blocks[:n]])  # (n, d)
         if self.weight is not None:
-            logits = hh @ self.weight.T  # (n, |D|) one matmul for all depths
+            logits = small_mm(hh, self.weight)  # (n, |D|) one matmul for all depths
         else:
             logits = torch.stack([self.heads.lm_heads[j](hh[j]) for j in range(n)])
         prob, idx = torch.softmax(logits.float(), -1).max(-1)  # (n,), (n,)
@@ -124,7 +170,7 @@ class ChainedDrafter:
                                          cache=self.caches[j - 1])[0]  # (m, d)
             old = self.states[j - 1]
             self.states[j - 1] = out if old is None or start == 0 else torch.cat([old[:start], out])
-            prob, idx = torch.softmax((out[-1] @ self.weight.T).float(), -1).max(-1)
+            prob, idx = torch.softmax(small_mm(out[-1:], self.weight)[0].float(), -1).max(-1)
             seq = torch.cat([seq, self.heads.to_tokens(idx)[None]])
             probs.append(prob)
             prev = self.states[j - 1]
@@ -216,8 +262,15 @@ class Decoder:
         """(n,) tokens after the cached ones -> backbone states (n, d); the cache grows by n."""
         return self.base(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
 
-    @torch.inference_mode()
-    def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", *,
+    def _fast(self):
+        return small_batch_linears(*(m for m in (self.backbone.model, self.heads) if m is not None))
+
+    def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", **opts) -> DecodeResult:
+        """Decode `prompt` (token ids) for at most max_new_tokens new tokens; see `_generate`."""
+        with self._fast(), torch.inference_mode():
+            return self._generate(prompt, max_new_tokens, mode, **opts)
+
+    def _generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", *,
                  span_policy=None, delta: float = 0.5, budget: float = 0.0, depth_policy=None,
                  trace: bool = False) -> DecodeResult:
         """Decode `prompt` (token ids) for at most max_new_tokens new tokens.
@@ -244,7 +297,7 @@ class Decoder:
         t0 = time.perf_counter()
         ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
         hidden = self._forward(ids, cache)  # (P, d)
-        first = int((hidden[-1] @ self.weight.T).argmax())
+        first = int(small_mm(hidden[-1:], self.weight)[0].argmax())
         res.prefill_s = time.perf_counter() - t0
         tokens = torch.cat([ids, torch.tensor([first], device=self.device)])  # committed, (N,)
         new = [first]
@@ -265,7 +318,7 @@ class Decoder:
                 drafts, n = drafts[:m], m
             # 2. one backbone forward over [x, d_1..d_n]
             out = self._forward(torch.cat([tokens[-1:], drafts]), cache)  # (n + 1, d)
-            logits = out @ self.weight.T  # (n + 1, V)
+            logits = small_mm(out, self.weight)  # (n + 1, V)
             greedy = logits.argmax(-1)  # (n + 1,)
             # 3. how many drafts to keep
             if mode in ("clp", "greedy"):
@@ -324,10 +377,13 @@ class Decoder:
             kept += 1
         return kept
 
-    @torch.inference_mode()
     def step_costs(self, context: int = 128, reps: int = 5) -> list[float]:
         """Wall time of one backbone forward over n + 1 new tokens (n = 0..k) after `context` cached
         tokens, relative to n = 0: the verify cost curve of this machine, measured now."""
+        with self._fast(), torch.inference_mode():
+            return self._step_costs(context, reps)
+
+    def _step_costs(self, context: int, reps: int) -> list[float]:
         from transformers import DynamicCache
 
         ids = torch.randint(0, self.weight.shape[0], (context + self.k + 1,), device=self.device,
@@ -340,7 +396,7 @@ class Decoder:
             for _ in range(reps):
                 t0 = time.perf_counter()
                 out = self._forward(ids[context: context + n + 1], cache)
-                (out @ self.weight.T).argmax(-1)
+                small_mm(out, self.weight).argmax(-1)
                 best = min(best, time.perf_counter() - t0)
                 _crop_to(cache, context)
             times.append(best)

@@ -195,21 +195,19 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policy=None, 
             dec.generate(p, min(16, cfg.max_new_tokens), "greedy" if mode == "greedy" else "verify")
     bar = tqdm(total=len(prompts) * (len(cfg.modes) + 1), desc="decode", unit="run", dynamic_ncols=True)
     hf_out, hf_s = [], 0.0
-    for p in prompts:
+    runs = {mode: ([], 0.0) for mode in cfg.modes}
+    for p in prompts:  # interleaved per prompt, so that drift in machine speed hits every mode alike
         out, s = hf_generate(backbone, p, cfg.max_new_tokens, eos)
         hf_out.append(out)
         hf_s += s
         bar.update(1)
-    runs = {}
-    for mode in cfg.modes:
-        res, secs = [], 0.0
-        for p in prompts:
+        for mode in cfg.modes:
             t0 = time.perf_counter()
             r = run_mode(mode, p)
-            secs += time.perf_counter() - t0
+            res, secs = runs[mode]
             res.append(r)
+            runs[mode] = (res, secs + time.perf_counter() - t0)
             bar.update(1)
-        runs[mode] = (res, secs)
     bar.close()
     greedy = [r.tokens for r in runs["greedy"][0]] if "greedy" in runs else hf_out
     report = {"modes": {}, "details": {}}

@@ -156,3 +156,23 @@ def test_bad_mode_arguments_are_refused(tiny_backbone):
         dec.generate([5, 6], 4, "verify")
     with pytest.raises(ValueError, match="unknown decoding mode"):
         dec.generate([5, 6], 4, "beam")
+
+
+def test_small_batch_linears_compute_the_same_and_are_undone():
+    from torch import nn
+
+    from mtp_train.decoding import small_batch_linears, small_mm
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5, bias=False))
+    for shape in [(1, 8), (3, 8), (2, 4, 8), (40, 8)]:  # one row, a few, batched, beyond SMALL_ROWS
+        x = torch.randn(*shape)
+        ref = net(x)
+        with small_batch_linears(net), torch.no_grad():
+            got = net(x)
+            assert "forward" in vars(net[0])  # patched on the instance
+        torch.testing.assert_close(got, ref.detach())
+    assert "forward" not in vars(net[0]) and "forward" not in vars(net[2])
+    w = torch.randn(7, 8)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(small_mm(x, w), x @ w.T)
