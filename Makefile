@@ -45,6 +45,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
 	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_ARGS)
+	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.heads=runs/demo/train hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
