@@ -114,3 +114,16 @@ def test_over_long_prompts_are_skipped_and_counted(trained_heads, tmp_path):
     f.write_text('{"prompt": "short one"}\n{"prompt": "' + "long " * 200 + '"}\n')
     report = run_eval(_eval_cfg(root, f"eval.prompts={f}", "eval.max_prompt_tokens=200", "eval.modes=[greedy]"))
     assert report["skipped_prompts"] == 1 and report["modes"]["greedy"]["n_prompts"] == 1
+
+
+def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
+    root = trained_heads
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = _eval_cfg(root, "logger=wandb", "eval.modes=[greedy,verify]", "eval.n_prompts=1")
+    run_eval(cfg)
+    runs = list((root / "eval" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    blob = b"".join(f.read_bytes() for f in runs[0].rglob("*.wandb"))
+    for key in (b"eval/report", b"eval/verify/tau", b"eval/speedup", b"eval/step_cost"):
+        assert key in blob, key

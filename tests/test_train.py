@@ -152,3 +152,10 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_and_saved_with_the_heads(typ
     assert 1.0 <= metrics["val/sim_tau"] <= 3.0
     run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "heads.draft_vocab=100000"))
     assert "draft_ids" not in load_file(str(tmp_path / "out" / "heads.safetensors"))  # a cap: all 259
+
+
+def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
+    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=e2e_tv", "heads.draft_vocab=64",
+                    "trainer.precision=bf16-mixed", "trainer.fast_dev_run=true")
+    metrics = run_train(cfg)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
