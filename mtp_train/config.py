@@ -216,7 +216,40 @@ class TrainConfig:
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
 
 
-DECODE_MODES = ("greedy", "verify", "relaxed", "clp", "adaptive")
+DECODE_MODES = ("greedy", "verify", "relaxed", "clp", "gate", "clp+verify", "adaptive")
+
+
+@dataclass
+class ClpConfig:
+    """mtp-clp: acceptance labels from decoding with trained heads, predictors fitted on them."""
+
+    heads: str | None = None  # the mtp-train run directory whose heads make the labels
+    n_prompts: int = 32  # training-split prompts decoded for labels
+    max_new_tokens: int = 128
+    shard_prompts: int = 8  # prompts per resumable shard
+    val_fraction: float = 0.2  # of the labelled prompts, held out while fitting
+    kinds: list[str] = field(default_factory=lambda: ["clp", "gate"])
+    use_head_probs: bool = False  # features: hidden state (+ the heads' top-1 probabilities)
+    epochs: int = 40
+    batch_size: int = 256
+    lr: float = 3e-3
+    calib_prompts: int = 6  # held-out prompts decoded per tau
+    taus: list[float] = field(default_factory=lambda: [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    max_repetition_increase: float = 0.02  # calibration bounds against plain greedy decoding
+    max_nll_increase: float = 0.10  # nats per token
+
+    def __post_init__(self) -> None:
+        _check(all(0 < t <= 1 for t in self.taus) and len(self.taus) > 0, "clp.taus",
+               "must be values in (0, 1]")
+        _check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
+        for kind in self.kinds:
+            _choice(kind, ("clp", "gate"), "clp.kinds")
+        _check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")
+        _check(self.max_new_tokens > 1, "clp.max_new_tokens", "must be > 1")
+        _check(self.shard_prompts > 0, "clp.shard_prompts", "must be > 0")
+        _check(0 < self.val_fraction < 1, "clp.val_fraction", "must be in (0, 1)")
+        _check(self.epochs > 0 and self.batch_size > 0 and self.lr > 0, "clp.epochs",
+               "epochs, batch_size and lr must be > 0")
 
 
 @dataclass
@@ -224,7 +257,8 @@ class EvalConfig:
     """mtp-eval: which heads, which prompts, which decoding modes (HF generate greedy always runs)."""
 
     heads: str | None = None  # directory with heads.safetensors + heads.json (an mtp-train run)
-    clp: str | None = None  # directory with clp.safetensors + clp.json (mtp-clp), for mode clp
+    clp: str | None = None  # an mtp-clp predictor directory (<run>/clp), for modes clp and clp+verify
+    gate: str | None = None  # the gate baseline's directory (<run>/gate), for mode gate
     prompts: str | None = None  # JSONL with {"prompt": ...} rows; None = the held-out split
     n_prompts: int | None = 8  # first N prompts (None = all)
     max_new_tokens: int = 128
@@ -255,8 +289,10 @@ class EvalConfig:
         _check(all(m == "greedy" for m in self.modes) or self.heads is not None, "eval.heads",
                f"modes {[m for m in self.modes if m != 'greedy']} need trained heads: "
                "eval.heads=<an mtp-train run directory>")
-        _check("clp" not in self.modes or self.clp is not None, "eval.clp",
-               "mode clp needs a fitted predictor: eval.clp=<an mtp-clp output directory>")
+        _check(not {"clp", "clp+verify"} & set(self.modes) or self.clp is not None, "eval.clp",
+               "modes clp and clp+verify need a fitted predictor: eval.clp=<mtp-clp run>/clp")
+        _check("gate" not in self.modes or self.gate is not None, "eval.gate",
+               "mode gate needs the fitted gate baseline: eval.gate=<mtp-clp run>/gate")
 
 
 @dataclass
@@ -279,6 +315,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    clp: ClpConfig = field(default_factory=ClpConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # kwargs of lightning.Trainer
     logger: dict[str, Any] | None = None  # name -> instantiable logger config

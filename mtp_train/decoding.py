@@ -17,7 +17,11 @@ Modes (ALGORITHMS.md, "Decoding modes"):
     relaxed    keep d_i while p(d_i) >= delta * max p and the chain's summed log-prob drift
                sum_i (log max p - log p(d_i)) stays <= budget; budget 0 is verify
     clp        a span-length policy chooses a = m from the backbone state before the forward and the
-               backbone reads only [x, d_1..d_m]: no verification (lossy), a forward of m + 1 tokens
+               backbone reads only [x, d_1..d_m]: no verification (lossy), a forward of m + 1 tokens;
+               a policy that reads only h_p (no head probabilities) is asked before drafting, so
+               only m heads run
+    clp+verify the policy's m caps how many drafts go to verification (lossless, fewer wasted
+               verify tokens)
     adaptive   verify with n chosen per step: policy "cost" maximises expected committed tokens per
                second from running per-depth acceptance and the measured forward cost of n + 1
                tokens; policy "entropy" drafts deeper where the backbone's running entropy is low
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("greedy", "verify", "relaxed", "clp", "adaptive")
+MODES = ("greedy", "verify", "relaxed", "clp", "clp+verify", "adaptive")
 
 
 @dataclass
@@ -58,6 +62,9 @@ class DecodeResult:
     stopped: str = "length"  # "eos" | "length"
     cache_length: int = 0  # the backbone's KV cache at the end: prompt + committed - 1
     trace: list[tuple[int, list[int], int]] | None = None  # (position p, drafts, kept) per step
+    # record=True: per step that drafted all k heads, (h_p (d,), the heads' top-1 probs (k,), kept):
+    # CLP's acceptance labels when the mode is verify (kept = leading drafts equal to greedy)
+    records: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
 
     @property
     def tau(self) -> float:
@@ -272,10 +279,12 @@ class Decoder:
 
     def _generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", *,
                  span_policy=None, delta: float = 0.5, budget: float = 0.0, depth_policy=None,
-                 trace: bool = False) -> DecodeResult:
+                 trace: bool = False, record: bool = False) -> DecodeResult:
         """Decode `prompt` (token ids) for at most max_new_tokens new tokens.
 
-        span_policy (clp): callable(hidden (d,), head_probs (k,)) -> m in 0..k, drafts to keep.
+        span_policy (clp, clp+verify): callable(hidden (d,), head_probs (k,) or None) -> m in 0..k,
+            the drafts to keep (clp) or to verify (clp+verify); with `needs_probs = False` it is
+            asked before drafting, with head_probs None.
         delta, budget (relaxed): see the module docstring; budget=0 is exact greedy verification.
         depth_policy (adaptive): a CostPolicy or EntropyPolicy (or anything with choose/update).
         """
@@ -285,12 +294,14 @@ class Decoder:
             raise ValueError(f"unknown decoding mode {mode!r}; expected one of {', '.join(MODES)}")
         if mode != "greedy" and self.drafter is None:
             raise ValueError(f"mode {mode!r} needs heads")
-        if mode == "clp" and span_policy is None:
-            raise ValueError("mode 'clp' needs a span_policy")
+        if mode in ("clp", "clp+verify") and span_policy is None:
+            raise ValueError(f"mode {mode!r} needs a span_policy")
+        early = mode in ("clp", "clp+verify") and not getattr(span_policy, "needs_probs", True)
         if mode == "adaptive" and depth_policy is None:
             raise ValueError("mode 'adaptive' needs a depth_policy")
         k = self.k
-        res = DecodeResult(tokens=[], reached=[0] * k, accepted=[0] * k, trace=[] if trace else None)
+        res = DecodeResult(tokens=[], reached=[0] * k, accepted=[0] * k, trace=[] if trace else None,
+                           records=[] if record else None)
         if self.drafter is not None:
             self.drafter.reset()
         cache = DynamicCache()
@@ -311,9 +322,11 @@ class Decoder:
             elif mode == "adaptive":
                 n = depth_policy.choose()
             n = min(n, max_new_tokens - len(new) - 1)  # no draft past the token budget
+            if early:  # the policy reads h_p only: run just the heads whose drafts it will use
+                n = min(int(span_policy(hidden[-1], None)), n)
             drafts, probs = (self.drafter.draft(tokens, hidden, n) if n > 0
                              else (tokens.new_zeros(0), torch.zeros(0)))
-            if mode == "clp":
+            if mode in ("clp", "clp+verify") and not early and n > 0:
                 m = min(int(span_policy(hidden[-1], probs)), n)
                 drafts, n = drafts[:m], m
             # 2. one backbone forward over [x, d_1..d_n]
@@ -340,6 +353,8 @@ class Decoder:
                 self.drafter.commit(n_before, kept)
             if trace:
                 res.trace.append((n_before - 2, drafts.tolist(), kept))
+            if record and n == k:
+                res.records.append((hidden[n_before - 2].clone(), probs.clone(), kept))
             if mode == "adaptive":
                 lp = torch.log_softmax(logits[kept].float(), -1)
                 depth_policy.update(n, kept, entropy=float(-(lp.exp() * lp).sum()))

@@ -62,23 +62,23 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     return out
 
 
-def held_out_prompts(data_dir: Path) -> list[list[int]]:
-    """The prompts of the prepared data's validation split: each row's tokens before its first
-    labelled (assistant) token, i.e. the rendered conversation up to the generation prompt."""
+def held_out_prompts(data_dir: Path, split: str = "validation") -> list[list[int]]:
+    """The prompts of a prepared data split (by default the held-out one): each row's tokens before
+    its first labelled (assistant) token, i.e. the rendered conversation up to the generation prompt."""
     from datasets import load_from_disk
 
     from mtp_train.targets import IGNORE
 
     if not (Path(data_dir) / "manifest.json").is_file():
         raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep` or set eval.prompts")
-    rows = load_from_disk(str(data_dir))["validation"]
+    rows = load_from_disk(str(data_dir))[split]
     out = []
     for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True):
         first = next((i for i, v in enumerate(labels) if v != IGNORE), None)
         if first:
             out.append(list(ids[:first]))
     if not out:
-        raise DataError(f"{data_dir}: the validation split has no prompt")
+        raise DataError(f"{data_dir}: the {split} split has no prompt")
     return out
 
 
@@ -163,7 +163,7 @@ def summarise(name: str, outputs: list[list[int]], results: list, seconds: float
     return rep, details
 
 
-def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policy=None, sim_tau=None) -> dict:
+def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None) -> dict:
     """Decode every prompt with HF generate and each mode in cfg.modes; returns the report dict."""
     from tqdm.auto import tqdm
 
@@ -182,8 +182,9 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policy=None, 
         opts = {}
         if mode == "relaxed":
             opts = {"delta": cfg.delta, "budget": cfg.budget}
-        elif mode == "clp":
-            opts = {"span_policy": span_policy}
+        elif mode in ("clp", "gate", "clp+verify"):
+            opts = {"span_policy": span_policies[mode]}
+            mode = "clp" if mode == "gate" else mode  # the gate is a span policy in clp mode
         elif mode == "adaptive":
             opts = {"depth_policy": CostPolicy(k, costs) if cfg.adaptive_policy == "cost" else
                     EntropyPolicy(k, cfg.entropy_low, cfg.entropy_high)}
@@ -193,6 +194,7 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policy=None, 
         hf_generate(backbone, p, min(16, cfg.max_new_tokens), eos)
         for mode in cfg.modes:
             dec.generate(p, min(16, cfg.max_new_tokens), "greedy" if mode == "greedy" else "verify")
+    span_policies = span_policies or {}
     bar = tqdm(total=len(prompts) * (len(cfg.modes) + 1), desc="decode", unit="run", dynamic_ncols=True)
     hf_out, hf_s = [], 0.0
     runs = {mode: ([], 0.0) for mode in cfg.modes}

@@ -127,3 +127,35 @@ def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
     blob = b"".join(f.read_bytes() for f in runs[0].rglob("*.wandb"))
     for key in (b"eval/report", b"eval/verify/tau", b"eval/speedup", b"eval/step_cost"):
         assert key in blob, key
+
+
+def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads):
+    import shutil
+
+    from mtp_train.cli.clp import run_clp
+
+    root = trained_heads
+    clp_args = ["clp.n_prompts=6", "clp.shard_prompts=3", "clp.max_new_tokens=16", "clp.epochs=3",
+                "clp.calib_prompts=2", "clp.taus=[0.9,0.5]", "eval.max_new_tokens=12",
+                f"clp.heads={root}/train"]
+    cfg = _eval_cfg(root, *clp_args, f"paths.output_dir={root}/clp")
+    res = run_clp(cfg)
+    assert sum(res["label"]["label_histogram"]) == res["label"]["rows"] > 0
+    assert set(res["fit"]) == {"clp", "gate"} and set(res["calibrate"]) == {"clp", "gate"}
+    meta = json.loads((root / "clp" / "clp" / "clp.json").read_text())
+    assert meta["parameters"] == 64 * 3 + 3 and meta["tau"] in (0.9, 0.5, 1.0) and "calibration" in meta
+    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,gate,clp+verify]", f"eval.clp={root}/clp/clp",
+                                f"eval.gate={root}/clp/gate"))
+    assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
+    assert set(report["modes"]["clp"]) == CORE_KEYS
+    assert report["predictors"]["gate"]["parameters"] > 100 * report["predictors"]["clp"]["parameters"]
+    # labels made with other heads are refused by the fit stage
+    other = root / "other"
+    shutil.copytree(root / "train", other)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(other / "heads.safetensors"))
+    save_file({n: t + 1e-3 for n, t in state.items()}, str(other / "heads.safetensors"))
+    with pytest.raises(MtpError, match="another heads checkpoint"):
+        run_clp(_eval_cfg(root, *clp_args[:-1], f"clp.heads={other}", f"paths.output_dir={root}/clp",
+                          "stage=fit"))

@@ -1,15 +1,159 @@
-"""mtp-clp: fit and calibrate the span-length predictor (issue 5; not implemented yet)."""
+"""mtp-clp: self-generated acceptance labels -> span-length predictors (clp, gate) -> calibrated tau.
+
+  mtp-clp clp.heads=runs/demo/train                      # stage=all: label, fit, calibrate
+  mtp-clp clp.heads=... stage=label                      # decode train prompts, record m* per step
+  mtp-clp clp.heads=... stage=fit clp.use_head_probs=true
+
+Writes into the run directory: labels/ (HF dataset + manifest), and per predictor kind a directory
+(clp/, gate/) with <kind>.safetensors-style clp.safetensors + clp.json (k, d, tau, bounds, figures)
+that `mtp-eval eval.clp=<run>/clp eval.gate=<run>/gate` loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import hydra
 
 from mtp_train.cli.common import CONF_DIR, entry, log
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError, MtpError
+
+STAGES = ("label", "fit", "calibrate", "all")
+
+
+def _setup(cfg: Config):
+    from mtp_train.backbone import load_backbone
+    from mtp_train.decoding import Decoder
+    from mtp_train.evaluate import _as_list
+    from mtp_train.heads import load_heads
+
+    if not cfg.clp.heads:
+        raise ConfigError("clp.heads: set it to an mtp-train run directory (heads.safetensors + heads.json)")
+    backbone = load_backbone(cfg.backbone)
+    heads, meta = load_heads(cfg.clp.heads, backbone)
+    tok = backbone.tokenizer
+    eos = sorted({t for t in (tok.eos_token_id, *_as_list(backbone.model.generation_config.eos_token_id))
+                  if t is not None})
+    return backbone, heads, Decoder(backbone, heads, eos_ids=eos)
+
+
+def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.data.labels import file_sha256, make_labels
+    from mtp_train.evaluate import held_out_prompts
+
+    prompts = [p for p in held_out_prompts(labelled_dir(cfg), "train")
+               if len(p) + cfg.clp.max_new_tokens <= getattr(backbone.config, "max_position_embeddings", 10**9)]
+    prompts = prompts[: cfg.clp.n_prompts]
+    identity = {"backbone": backbone.name, "backbone_identity": backbone.identity,
+                "heads_sha256": file_sha256(Path(cfg.clp.heads) / "heads.safetensors"), "k": heads.k}
+    return make_labels(prompts, decoder, out / "labels", cfg.clp.max_new_tokens, cfg.clp.shard_prompts,
+                       identity)
+
+
+def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
+    import lightning as L
+    import torch
+    from datasets import load_from_disk
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mtp_train.artifacts import read_manifest
+    from mtp_train.clp import build_predictor, class_weights, count_parameters, save_predictor
+    from mtp_train.data.labels import file_sha256
+    from mtp_train.lit.clp import SpanFitModule
+
+    labels_dir = out / "labels"
+    manifest = read_manifest(labels_dir)
+    if manifest is None:
+        raise MtpError(f"{labels_dir}: no acceptance labels; run `mtp-clp stage=label` first")
+    heads_hash = file_sha256(Path(cfg.clp.heads) / "heads.safetensors")
+    if manifest.get("heads_sha256") != heads_hash or manifest.get("k") != heads.k:
+        raise ConfigError(f"{labels_dir}: labels were made with another heads checkpoint; rerun "
+                          "`mtp-clp stage=label` for clp.heads")
+    ds = load_from_disk(str(labels_dir))
+    hidden = torch.tensor(ds["hidden"][:], dtype=torch.float32)  # (n, d)
+    probs = torch.tensor(ds["head_probs"][:], dtype=torch.float32)  # (n, k)
+    labels = torch.tensor(ds["label"][:], dtype=torch.long)
+    prompt = torch.tensor(ds["prompt"][:], dtype=torch.long)
+    n_prompts = int(prompt.max()) + 1
+    val_every = max(2, round(1 / cfg.clp.val_fraction))
+    is_val = (prompt % val_every) == 0  # held out by prompt, not by step: steps of one answer correlate
+    if is_val.all() or not is_val.any():
+        raise MtpError(f"{labels_dir}: {n_prompts} labelled prompts are too few to hold out a validation set")
+    weights = class_weights(labels[~is_val], heads.k)
+    results = {}
+    for kind in cfg.clp.kinds:
+        torch.manual_seed(cfg.seed)
+        pred = build_predictor(kind, backbone.hidden_size, heads.k, cfg.clp.use_head_probs)
+        module = SpanFitModule(pred, weights, cfg.clp.lr)
+
+        def loader(mask, shuffle):
+            return DataLoader(TensorDataset(hidden[mask], probs[mask], labels[mask]),
+                              batch_size=cfg.clp.batch_size, shuffle=shuffle)
+
+        trainer = L.Trainer(max_epochs=cfg.clp.epochs, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        trainer.fit(module, loader(~is_val, True), loader(is_val, False))
+        val = {k: float(v) for k, v in trainer.validate(module, loader(is_val, False), verbose=False)[0].items()}
+        meta = {"backbone": backbone.name, "heads_sha256": heads_hash, "tau": 1.0, "calibrated": False,
+                "label_histogram": manifest["label_histogram"], "class_weights": weights.tolist(),
+                "fit": val}
+        save_predictor(out / kind, pred, meta)
+        log.info("%s: %s parameters, validation accuracy %.3f (majority class %.3f)", kind,
+                 f"{count_parameters(pred):,}", val["val/acc"],
+                 float((labels[is_val] == 0).float().mean()))
+        results[kind] = val
+    return results
+
+
+def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
+    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.clp import CLP_META, load_predictor, pick_tau, sweep_tau
+    from mtp_train.evaluate import held_out_prompts
+
+    e = cfg.eval
+    prompts = held_out_prompts(labelled_dir(cfg))[: cfg.clp.calib_prompts]
+    results = {}
+    for kind in cfg.clp.kinds:
+        pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
+        greedy, rows = sweep_tau(decoder, pred, prompts, list(cfg.clp.taus), e.max_new_tokens)
+        best = pick_tau(rows, greedy, cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
+        if best is None:
+            log.warning("%s: no tau in %s keeps repetition within greedy + %.2f and NLL within greedy "
+                        "+ %.2f nats; keeping tau = 1.0 (accept no draft)", kind, list(cfg.clp.taus),
+                        cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
+        meta.update(tau=best["tau"] if best else 1.0, calibrated=best is not None,
+                    bounds={"max_repetition_increase": cfg.clp.max_repetition_increase,
+                            "max_nll_increase": cfg.clp.max_nll_increase},
+                    calibration={"greedy": greedy, "taus": rows, "n_prompts": len(prompts)})
+        write_json_atomic(out / kind / CLP_META, meta)
+        results[kind] = meta["tau"]
+        log.info("%s: tau = %.2f%s", kind, meta["tau"], "" if best else " (no tau met the bounds)")
+    return results
+
+
+def run_clp(cfg: Config) -> dict:
+    if cfg.stage not in STAGES:
+        raise ConfigError(f"stage: mtp-clp has stages {', '.join(STAGES)}, got {cfg.stage!r}")
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backbone, heads, decoder = _setup(cfg)
+    results = {}
+    if cfg.stage in ("label", "all"):
+        results["label"] = stage_label(cfg, backbone, heads, decoder, out)
+    if cfg.stage in ("fit", "all"):
+        results["fit"] = stage_fit(cfg, backbone, heads, out)
+    if cfg.stage in ("calibrate", "all"):
+        results["calibrate"] = stage_calibrate(cfg, backbone, heads, decoder, out)
+    return results
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @entry
-def main(cfg, typed):
-    log.error("mtp-clp is not implemented yet (the CLP lands with issue 5)")
-    raise SystemExit(3)
+def main(cfg, typed: Config):
+    run_clp(typed)
 
 
 if __name__ == "__main__":

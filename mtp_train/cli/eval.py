@@ -42,6 +42,23 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
     return keep[: e.n_prompts] if e.n_prompts else keep, skipped
 
 
+def load_span_policies(cfg: Config, backbone, heads) -> dict:
+    """mode -> SpanPolicy for clp, clp+verify (eval.clp) and gate (eval.gate), at their calibrated tau."""
+    from mtp_train.clp import SpanPolicy, count_parameters, load_predictor
+
+    out = {}
+    for mode, path in (("clp", cfg.eval.clp), ("clp+verify", cfg.eval.clp), ("gate", cfg.eval.gate)):
+        if mode not in cfg.eval.modes:
+            continue
+        pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
+        if not meta.get("calibrated"):
+            log.warning("%s: not calibrated (tau %.2f); run `mtp-clp stage=calibrate`", path, meta["tau"])
+        policy = SpanPolicy(pred, meta["tau"])
+        policy.parameters = count_parameters(pred)
+        out[mode] = policy
+    return out
+
+
 def run_eval(cfg: Config) -> dict:
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.backbone import load_backbone
@@ -56,13 +73,13 @@ def run_eval(cfg: Config) -> dict:
         ensure_tiny_data(cfg)
     backbone = load_backbone(cfg.backbone)
     heads, meta = (load_heads(cfg.eval.heads, backbone) if cfg.eval.heads else (None, {}))
-    if "clp" in cfg.eval.modes:
-        raise ConfigError("eval.modes: clp needs a fitted CLP, which mtp-clp does not produce yet")
+    policies = load_span_policies(cfg, backbone, heads)
     prompts, skipped = select_prompts(cfg, backbone)
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each", len(prompts),
              len(cfg.eval.modes), cfg.eval.max_new_tokens)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
-    report, outputs = run_modes(backbone, heads, prompts, cfg.eval, sim_tau=sim_tau)
+    report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau)
+    report["predictors"] = {m: {"parameters": p.parameters, "tau": p.tau} for m, p in policies.items()}
     report.update(backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
                   max_new_tokens=cfg.eval.max_new_tokens)
     path = save_report(report, out_dir)

@@ -1,0 +1,196 @@
+"""Span-length predictors (CLP, Xie & Zhou 2026; ALGORITHMS.md, "CLP"): how many head drafts to
+commit after the backbone's own token, decided from the backbone's state without verification.
+
+    clp   one linear layer: features -> k + 1 classes (m = 0..k drafts accepted). On the hidden state
+          alone it has d(k+1) + (k+1) parameters: 4,611 for d=1536, k=2; 2,308 for SmolLM2 (d=576, k=3).
+    gate  the ~1M-parameter MLP baseline ("gate network") on the same features.
+
+Features are the backbone's final hidden state h_p, optionally concatenated with the k heads' top-1
+probabilities. The decision rule is m = max{m : P(L >= m) >= tau} with P(L >= m) the cumulative
+class probability from m up; P(L >= 0) = 1, so m = 0 (only the backbone's token) whenever nothing
+else clears tau, and tau = 1 accepts no draft. Pure torch; fitting lives in lit/ and cli/clp.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtp_train.errors import ConfigError, MtpError
+
+KINDS = ("clp", "gate")
+CLP_FILE, CLP_META = "clp.safetensors", "clp.json"
+
+
+class SpanPredictor(nn.Module):
+    def __init__(self, hidden_size: int, k: int, use_head_probs: bool = False):
+        super().__init__()
+        self.hidden_size, self.k, self.use_head_probs = hidden_size, k, use_head_probs
+        self.in_features = hidden_size + (k if use_head_probs else 0)
+
+    def features(self, hidden: torch.Tensor, head_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (..., d), head_probs (..., k) -> (..., in_features)."""
+        if not self.use_head_probs:
+            return hidden
+        if head_probs is None or head_probs.shape[-1] != self.k:
+            raise ValueError(f"this predictor reads the {self.k} heads' top-1 probabilities")
+        return torch.cat([hidden, head_probs.to(hidden.dtype)], -1)
+
+    def forward(self, hidden: torch.Tensor, head_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """-> logits (..., k + 1) over the number of drafts to accept."""
+        return self.net(self.features(hidden, head_probs))
+
+
+class LinearCLP(SpanPredictor):
+    def __init__(self, hidden_size: int, k: int, use_head_probs: bool = False):
+        super().__init__(hidden_size, k, use_head_probs)
+        self.net = nn.Linear(self.in_features, k + 1)
+
+
+class GateMLP(SpanPredictor):
+    """One hidden layer, sized to about `params` parameters (1M by default) for these inputs."""
+
+    def __init__(self, hidden_size: int, k: int, use_head_probs: bool = False, params: int = 1_000_000):
+        super().__init__(hidden_size, k, use_head_probs)
+        width = max(8, round((params - (k + 1)) / (self.in_features + 1 + k + 1)))
+        self.net = nn.Sequential(nn.Linear(self.in_features, width), nn.GELU(), nn.Linear(width, k + 1))
+
+
+def build_predictor(kind: str, hidden_size: int, k: int, use_head_probs: bool = False) -> SpanPredictor:
+    if kind not in KINDS:
+        raise ConfigError(f"clp.kind: unknown value {kind!r}; choose one of {', '.join(KINDS)}")
+    cls = LinearCLP if kind == "clp" else GateMLP
+    return cls(hidden_size, k, use_head_probs)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def span_from_probs(probs: torch.Tensor, tau: float) -> torch.Tensor:
+    """Class probabilities (..., k + 1) -> m = max{m : P(L >= m) >= tau} (..., ) long."""
+    tail = probs.flip(-1).cumsum(-1).flip(-1)  # (..., k+1): P(L >= m)
+    ok = tail >= tau - 1e-7  # (..., k+1)
+    ok[..., 0] = True  # P(L >= 0) = 1
+    idx = torch.arange(probs.shape[-1], device=probs.device)
+    return torch.where(ok, idx, torch.zeros_like(idx)).max(-1).values
+
+
+def class_weights(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse-frequency weights (k + 1,), mean 1 over the classes present; absent classes get 0."""
+    counts = torch.bincount(labels.long().flatten(), minlength=k + 1)[: k + 1].float()
+    present = counts > 0
+    w = torch.where(present, counts.sum() / counts.clamp(min=1), torch.zeros_like(counts))
+    return w * present.sum() / w.sum().clamp(min=1e-12)
+
+
+class SpanPolicy:
+    """The decoder's `span_policy` for mode clp: callable(hidden (d,), head_probs (k,)) -> m."""
+
+    def __init__(self, predictor: SpanPredictor, tau: float):
+        self.predictor, self.tau = predictor.eval(), tau
+        self.needs_probs = predictor.use_head_probs  # False: the decoder asks before drafting
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, head_probs: torch.Tensor | None = None) -> int:
+        logits = self.predictor(hidden.float(), None if head_probs is None else head_probs.float())
+        return int(span_from_probs(torch.softmax(logits, -1), self.tau))
+
+
+def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
+    """clp.safetensors (weights) + clp.json (kind, k, d, inputs, backbone, tau, figures); atomic."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from mtp_train.artifacts import write_json_atomic
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (CLP_FILE + ".tmp")
+    save_file({n: t.detach().contiguous() for n, t in predictor.state_dict().items()}, str(tmp))
+    os.replace(tmp, out_dir / CLP_FILE)
+    write_json_atomic(out_dir / CLP_META, {
+        **meta, "kind": "clp" if isinstance(predictor, LinearCLP) else "gate", "k": predictor.k,
+        "hidden_size": predictor.hidden_size, "use_head_probs": predictor.use_head_probs,
+        "parameters": count_parameters(predictor)})
+    return out_dir / CLP_FILE
+
+
+def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | None = None
+                   ) -> tuple[SpanPredictor, dict]:
+    """A saved predictor, refused when it was fitted for another hidden size, k or backbone."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    meta_file, weights = d / CLP_META, d / CLP_FILE
+    if not meta_file.is_file() or not weights.is_file():
+        raise MtpError(f"{d}: expected {CLP_FILE} and {CLP_META} (written by mtp-clp)")
+    meta = json.loads(meta_file.read_text())
+    for key, have in (("hidden_size", hidden_size), ("k", k)):
+        if meta.get(key) != have:
+            raise ConfigError(f"{meta_file}: fitted for {key}={meta.get(key)}, these heads and backbone "
+                              f"have {key}={have}")
+    if backbone_name is not None and meta.get("backbone") not in (None, backbone_name):
+        raise ConfigError(f"{meta_file}: fitted for backbone {meta.get('backbone')!r}, not {backbone_name!r}")
+    predictor = build_predictor(meta["kind"], hidden_size, k, meta.get("use_head_probs", False))
+    try:
+        predictor.load_state_dict(load_file(str(weights)))
+    except Exception as e:
+        raise MtpError(f"{weights}: cannot load ({e})") from None
+    return predictor.eval(), meta
+
+
+# ---------------------------------------------------------------------------------------------------
+# calibration: the fastest tau whose output quality stays within bounds of plain greedy decoding
+
+
+def pick_tau(rows: list[dict], greedy: dict, max_rep_increase: float, max_nll_increase: float
+             ) -> dict | None:
+    """rows: one per tau with tokens_per_s, repetition_ratio, backbone_nll; greedy: the same keys for
+    plain greedy decoding. The fastest row within both bounds, or None when no tau meets them."""
+    ok = [r for r in rows
+          if r["repetition_ratio"] <= greedy["repetition_ratio"] + max_rep_increase + 1e-12
+          and r["backbone_nll"] <= greedy["backbone_nll"] + max_nll_increase + 1e-12]
+    return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+
+
+def sweep_tau(decoder, predictor: SpanPredictor, prompts: list[list[int]], taus: list[float],
+              max_new_tokens: int) -> tuple[dict, list[dict]]:
+    """Decode `prompts` greedily and in clp mode for each tau; per tau: tokens/s, tau (accepted
+    length), repetition, backbone NLL, greedy-match rate and mean first divergence."""
+    import time
+
+    from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
+
+    bb = decoder.backbone
+
+    def measure(mode: str, policy=None) -> tuple[dict, list[list[int]]]:
+        outs, secs, steps, committed = [], 0.0, 0, 0
+        for p in prompts:
+            t0 = time.perf_counter()
+            r = decoder.generate(p, max_new_tokens, mode, **({"span_policy": policy} if policy else {}))
+            secs += time.perf_counter() - t0
+            outs.append(r.tokens)
+            steps += r.steps
+            committed += sum(r.accept_lengths)
+        n = sum(len(o) for o in outs)
+        return {"tokens_per_s": n / secs, "accepted_length": committed / max(1, steps),
+                "repetition_ratio": sum(map(repetition_ratio, outs)) / len(outs),
+                "backbone_nll": sum(backbone_nll(bb, p, o) for p, o in zip(prompts, outs, strict=True))
+                / len(outs)}, outs
+
+    greedy, ref = measure("greedy")
+    rows = []
+    for tau in taus:
+        row, outs = measure("clp", SpanPolicy(predictor, tau))
+        div = [first_divergence(o, g) for o, g in zip(outs, ref, strict=True)]
+        diffs = [d for d in div if d is not None]
+        row.update(tau=tau, speedup_vs_greedy=row["tokens_per_s"] / greedy["tokens_per_s"],
+                   greedy_match_rate=sum(d is None for d in div) / len(div),
+                   first_divergence=sum(diffs) / len(diffs) if diffs else None)
+        rows.append(row)
+    return greedy, rows

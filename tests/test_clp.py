@@ -1,0 +1,148 @@
+"""Span-length predictors: sizes, the decision rule, class weights, saving and refusing a mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.clp import (
+    GateMLP,
+    LinearCLP,
+    SpanPolicy,
+    build_predictor,
+    class_weights,
+    count_parameters,
+    load_predictor,
+    save_predictor,
+    span_from_probs,
+)
+from mtp_train.errors import MtpError
+
+
+@pytest.mark.parametrize("d,k,n", [(1536, 2, 4611), (1536, 4, 7685), (576, 3, 2308)])
+def test_the_linear_clp_has_d_times_k_plus_one_plus_k_plus_one_parameters(d, k, n):
+    assert count_parameters(LinearCLP(d, k)) == n == d * (k + 1) + (k + 1)
+    assert count_parameters(LinearCLP(d, k, use_head_probs=True)) == (d + k) * (k + 1) + (k + 1)
+
+
+def test_the_gate_baseline_is_about_a_million_parameters():
+    n = count_parameters(GateMLP(576, 3))
+    assert 0.97e6 < n < 1.03e6
+    assert isinstance(build_predictor("gate", 576, 3), GateMLP)
+    with pytest.raises(MtpError, match="clp.kind"):
+        build_predictor("tree", 576, 3)
+
+
+def _slow_rule(p, tau):
+    best = 0
+    for m in range(len(p)):
+        if sum(p[m:]) >= tau - 1e-7:
+            best = m
+    return best
+
+
+def test_span_rule_is_the_largest_m_whose_tail_probability_clears_tau():
+    probs = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7], [0.9, 0.05, 0.05, 0.0]])
+    for tau in (0.05, 0.1, 0.3, 0.4, 0.5, 0.8, 0.95, 1.0):
+        got = span_from_probs(probs, tau).tolist()
+        assert got == [_slow_rule(p.tolist(), tau) for p in probs], tau
+    assert span_from_probs(probs, 1.0).tolist() == [0, 0, 0]  # tau = 1: only the backbone's token
+    assert span_from_probs(probs, 0.3).tolist() == [2, 3, 0]
+    g = torch.Generator().manual_seed(0)
+    rand = torch.softmax(torch.randn(50, 5, generator=g), -1)
+    for tau in torch.linspace(0, 1, 11).tolist():
+        assert span_from_probs(rand, tau).tolist() == [_slow_rule(p.tolist(), tau) for p in rand]
+
+
+def test_class_weights_are_inverse_frequency_with_mean_one():
+    labels = torch.tensor([0] * 6 + [1] * 3 + [3] * 1)  # class 2 absent
+    w = class_weights(labels, 3)
+    assert w[2] == 0
+    assert w[0] * 6 == pytest.approx(w[1] * 3) == pytest.approx(w[3] * 1)
+    assert w[[0, 1, 3]].mean() == pytest.approx(1.0)
+
+
+def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
+    torch.manual_seed(0)
+    pred = LinearCLP(16, 3, use_head_probs=True)
+    save_predictor(tmp_path, pred, {"backbone": "tiny-llama", "tau": 0.4})
+    back, meta = load_predictor(tmp_path, 16, 3, "tiny-llama")
+    h, p = torch.randn(16), torch.rand(3)
+    assert SpanPolicy(back, 0.4)(h, p) == SpanPolicy(pred, 0.4)(h, p)
+    assert meta["parameters"] == count_parameters(pred) and meta["kind"] == "clp"
+    with pytest.raises(MtpError, match="hidden_size=16"):
+        load_predictor(tmp_path, 32, 3)
+    with pytest.raises(MtpError, match="k=3"):
+        load_predictor(tmp_path, 16, 2)
+    with pytest.raises(MtpError, match="backbone 'tiny-llama'"):
+        load_predictor(tmp_path, 16, 3, "smollm2")
+
+
+def test_pick_tau_takes_the_fastest_within_bounds_and_refuses_when_none():
+    from mtp_train.clp import pick_tau
+
+    greedy = {"tokens_per_s": 10.0, "repetition_ratio": 0.10, "backbone_nll": 1.00}
+    # lower tau: faster, but repetition and NLL grow
+    rows = [{"tau": t, "tokens_per_s": 10 + 10 * (1 - t), "repetition_ratio": 0.10 + 0.05 * (1 - t),
+             "backbone_nll": 1.0 + 0.3 * (1 - t)} for t in (0.9, 0.8, 0.7, 0.6, 0.5)]
+    # repetition bound 0.02 allows 1 - t <= 0.4; NLL bound 0.10 allows 1 - t <= 0.333
+    assert pick_tau(rows, greedy, 0.02, 0.10)["tau"] == 0.7
+    assert pick_tau(rows, greedy, 0.02, 1.0)["tau"] == 0.6
+    assert pick_tau(rows, greedy, 0.001, 0.10) is None  # nothing meets the bounds: the caller keeps 1.0
+
+
+class OracleDrafter:
+    """Drafts the backbone's true greedy continuation, wrong at the depths where right[j] is False."""
+
+    def __init__(self, backbone, right):
+        self.bb, self.right, self.k = backbone, right, len(right)
+
+    def reset(self):
+        pass
+
+    def draft(self, tokens, hidden, n):
+        seq, out = tokens.tolist(), []
+        with torch.no_grad():
+            for j in range(n):
+                g = int(self.bb.model(torch.tensor([seq])).logits[0, -1].argmax())
+                out.append(g if self.right[j] else (g + 1) % self.bb.vocab_size)
+                seq.append(g)
+        return torch.tensor(out), torch.full((n,), 0.5)
+
+    def commit(self, n_before, kept):
+        pass
+
+
+@pytest.mark.parametrize("right,label", [([True, False, True], 1), ([True, True, True], 3),
+                                         ([False, True, True], 0)])
+def test_labels_from_heads_of_known_accuracy_give_the_known_histogram(tiny_backbone, tmp_path, right, label):
+    from datasets import load_from_disk
+
+    from mtp_train.data.labels import make_labels
+    from mtp_train.decoding import Decoder
+
+    dec = Decoder(tiny_backbone, eos_ids=[], drafter=OracleDrafter(tiny_backbone, right))
+    prompts = [[5, 6, 7, 8], [40, 41], [100, 3, 9]]
+    m = make_labels(prompts, dec, tmp_path / "labels", 10, 2, {"heads_sha256": "x", "k": 3})
+    hist = m["label_histogram"]
+    assert sum(hist) == m["rows"] > 0 and hist[label] == m["rows"]
+    ds = load_from_disk(str(tmp_path / "labels"))
+    assert set(ds["label"]) == {label} and len(ds[0]["hidden"]) == 64 and len(ds[0]["head_probs"]) == 3
+    assert set(ds["prompt"]) == {0, 1, 2}
+    again = make_labels(prompts, dec, tmp_path / "labels", 10, 2, {"heads_sha256": "x", "k": 3})
+    assert again == m  # up to date: not decoded again
+
+
+def test_clp_mode_accepting_everything_is_the_fixed_k_unverified_decode(tiny_backbone):
+    from mtp_train.decoding import Decoder
+
+    bb, k, new = tiny_backbone, 3, 17
+    drafter = OracleDrafter(bb, [True, False, True])
+    out = Decoder(bb, eos_ids=[], drafter=drafter).generate([7, 8, 9], new, "clp", span_policy=lambda h, p: k)
+    seq = [7, 8, 9]
+    with torch.no_grad():
+        seq.append(int(bb.model(torch.tensor([seq])).logits[0, -1].argmax()))
+        while len(seq) - 3 < new:  # slow reference: commit k drafts, then the backbone's token
+            seq += drafter.draft(torch.tensor(seq), None, min(k, new - (len(seq) - 3) - 1))[0].tolist()
+            seq.append(int(bb.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert out.tokens == seq[3: 3 + new]
