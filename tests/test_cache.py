@@ -13,7 +13,8 @@ from mtp_train.data import cache as cache_mod
 
 FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-        "data.distill.max_train_prompts=24", "data.distill.max_val_prompts=8", "train.max_length=96"]
+        "data.distill.max_train_prompts=24", "data.distill.max_val_prompts=8", "train.max_length=96",
+        "train.data_use=distilled"]
 
 
 @pytest.fixture

@@ -150,8 +150,9 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_and_saved_with_the_heads(typ
 
     assert build_tiny_tokenizer().eos_token_id in draft.tolist()  # the end of turn stays draftable
     assert 1.0 <= metrics["val/sim_tau"] <= 3.0
-    run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "heads.draft_vocab=100000"))
-    assert "draft_ids" not in load_file(str(tmp_path / "out" / "heads.safetensors"))  # a cap: all 259
+    run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "heads.draft_vocab=100000",
+                        f"paths.output_dir={tmp_path}/cap"))
+    assert "draft_ids" not in load_file(str(tmp_path / "cap" / "heads.safetensors"))  # a cap: all 259
 
 
 def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
