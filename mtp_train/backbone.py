@@ -9,7 +9,6 @@ LM head, the token embedding and the tokenizer with its chat template. Optional 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mtp_train.artifacts import publish_dir, read_json, temp_dir_for, write_json_atomic
+from mtp_train.artifacts import file_sha256, publish_dir, read_json, temp_dir_for, write_json_atomic
 from mtp_train.config import BackboneConfig, LoraConfig, TinyBackboneConfig
 from mtp_train.errors import BackboneError
 
@@ -224,14 +223,6 @@ def locate_gguf(cfg: BackboneConfig) -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def convert_gguf(cfg: BackboneConfig, force: bool = False) -> Path:
     """GGUF -> HF safetensors directory under `cfg.converted_dir`, reused while the GGUF is unchanged.
 
@@ -248,7 +239,7 @@ def convert_gguf(cfg: BackboneConfig, force: bool = False) -> Path:
     if old is not None:
         if old.get("source", {}).get("size") == stat.st_size and (
             old.get("source", {}).get("mtime") == stat.st_mtime
-            or old.get("source", {}).get("sha256") == _file_digest(gguf_path)
+            or old.get("source", {}).get("sha256") == file_sha256(gguf_path)
         ):
             return out
         log.info("converted backbone at %s is stale; converting again", out)
@@ -275,7 +266,7 @@ def convert_gguf(cfg: BackboneConfig, force: bool = False) -> Path:
     tmp = temp_dir_for(out)
     fresh.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    source.update(mtime=stat.st_mtime, sha256=_file_digest(gguf_path))
+    source.update(mtime=stat.st_mtime, sha256=file_sha256(gguf_path))
     write_json_atomic(tmp / CONVERT_MANIFEST, {"source": source, "name": cfg.name})
     publish_dir(tmp, out)
     log.info("converted backbone written to %s", out)

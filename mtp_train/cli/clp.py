@@ -39,8 +39,9 @@ def _setup(cfg: Config):
 
 
 def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
+    from mtp_train.artifacts import file_sha256
     from mtp_train.cli.prep import labelled_dir
-    from mtp_train.data.labels import file_sha256, make_labels
+    from mtp_train.data.labels import make_labels
     from mtp_train.evaluate import held_out_prompts
 
     prompts = [p for p in held_out_prompts(labelled_dir(cfg), "train")
@@ -58,9 +59,8 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     from datasets import load_from_disk
     from torch.utils.data import DataLoader, TensorDataset
 
-    from mtp_train.artifacts import read_manifest
+    from mtp_train.artifacts import file_sha256, read_manifest
     from mtp_train.clp import build_predictor, class_weights, count_parameters, save_predictor
-    from mtp_train.data.labels import file_sha256
     from mtp_train.lit.clp import SpanFitModule
 
     labels_dir = out / "labels"

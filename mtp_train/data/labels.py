@@ -11,7 +11,6 @@ label histogram.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 from pathlib import Path
@@ -30,14 +29,6 @@ from mtp_train.artifacts import (
 
 log = logging.getLogger(__name__)
 PLAN = "plan.json"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: int, shard_prompts: int,
