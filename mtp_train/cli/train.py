@@ -89,7 +89,8 @@ def make_loggers(cfg) -> list:
 RUN_META = "run_meta.json"
 
 
-def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool) -> None:
+def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool,
+                         write: bool = True) -> None:
     """A run directory remembers what its checkpoints were made for; resuming with other heads or
     another backbone is refused before Lightning tries (and fails deep inside) to load them."""
     from mtp_train.artifacts import read_json, write_json_atomic
@@ -105,7 +106,8 @@ def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: 
                 raise ConfigError(
                     f"{run_dir / 'checkpoints'} was made with another {key} ({shown}); use a new "
                     "hydra.run.dir, or the same backbone= and heads= settings to resume")
-    write_json_atomic(run_dir / RUN_META, meta)
+    if write:
+        write_json_atomic(run_dir / RUN_META, meta)
 
 
 def close_loggers(loggers: list) -> None:
@@ -139,15 +141,31 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict) -> Pa
     return run_dir / HEADS_FILE
 
 
+def gathered(heads, trainer):
+    """A context in which every rank holds the heads' full parameters: under ZeRO stage 3 they are
+    partitioned across ranks and must be gathered (by all ranks together) before saving."""
+    import contextlib
+
+    strategy = trainer.strategy
+    cfg = getattr(strategy, "config", None)
+    if isinstance(cfg, dict) and cfg.get("zero_optimization", {}).get("stage") == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 def run_train(cfg: Config) -> dict:
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from mtp_train.backbone import load_backbone
+    from mtp_train.distributed import check_trainer
     from mtp_train.heads import build_heads, count_parameters
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
 
+    check_trainer(cfg.trainer)
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,16 +190,20 @@ def run_train(cfg: Config) -> dict:
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
-    last = ckpt_dir / "last.ckpt"
-    check_resume_matches(run_dir, heads, backbone, cfg, resuming=last.is_file())
-    if last.is_file():
+    last = ckpt_dir / "last.ckpt"  # a file, or a directory of ZeRO shards under DeepSpeed
+    resuming = last.exists()
+    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero)
+    if resuming:
         log.info("resuming from %s", last)
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
-    path = save_heads(run_dir, heads, backbone, cfg, metrics)
+    with gathered(heads, trainer):
+        if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
+            path = save_heads(run_dir, heads, backbone, cfg, metrics)
     close_loggers(loggers)
-    log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))
-    print(json.dumps({"heads": str(path), **{k: round(v, 4) for k, v in metrics.items()}}, indent=1))
+    if trainer.is_global_zero:
+        log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))
+        print(json.dumps({"heads": str(path), **{k: round(v, 4) for k, v in metrics.items()}}, indent=1))
     return metrics
 
 

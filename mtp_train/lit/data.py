@@ -80,26 +80,48 @@ class CachedRows(Dataset):
 
 
 class ResumableSampler(Sampler):
-    """A seeded permutation per epoch that can skip the rows a resumed run has already seen.
+    """A seeded permutation per epoch, split by rank, that can skip rows a resumed run has seen.
 
-    Lightning calls `set_epoch`; the LightningModule sets `skip` when it resumes mid-epoch, so a
-    resumed run sees exactly the batches an uninterrupted one would have.
+    Every rank draws the same permutation and takes every world-th row of it (rank r: r, r+w, ...),
+    after dropping the tail that would leave ranks with unequal batch counts (a rank waiting for a
+    gradient all-reduce the others never start would hang). So global batch s of a w-process run
+    holds exactly the rows of batch s of a one-process run with w times the batch size.
+    Lightning calls `set_epoch`; the LightningModule sets `skip` (rows of this rank) when it resumes
+    mid-epoch, so a resumed run sees exactly the batches an uninterrupted one would have.
     """
 
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside a world of {world}")
+        self.n, self.seed, self.rank, self.world = n, seed, rank, world
+        self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.n
+        return self.n // self.world
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()
+        order = torch.randperm(self.n, generator=g)[: len(self) * self.world]
+        mine = order[self.rank::self.world].tolist()
         skip, self.skip = self.skip, 0
-        return iter(order[skip:])
+        return iter(mine[skip:])
+
+
+class RankSlice(Sampler):
+    """Validation rows of one rank: r, r+w, r+2w, ... (no row twice, none dropped), so metrics
+    reduced as sums and counts over ranks equal the one-process figures exactly."""
+
+    def __init__(self, n: int, rank: int = 0, world: int = 1):
+        self.n, self.rank, self.world = n, rank, world
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.world))
 
 
 class MTPDataModule(L.LightningDataModule):
@@ -119,11 +141,23 @@ class MTPDataModule(L.LightningDataModule):
             if self.cache is not None:
                 self.splits = {s: CachedRows(d, self.cache, s) for s, d in self.splits.items()}
 
+    def _rank_world(self) -> tuple[int, int]:
+        """This process's place among the data-parallel ranks (0 of 1 outside a Trainer)."""
+        t = self.trainer
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
     def train_dataloader(self):
-        self.sampler = ResumableSampler(len(self.splits["train"]), self.seed)
+        rank, world = self._rank_world()
+        n = len(self.splits["train"])
+        if n < world:
+            raise DataError(f"{n} training rows cannot give each of {world} processes one; "
+                            "lower trainer.devices")
+        self.sampler = ResumableSampler(n, self.seed, rank, world)
         return DataLoader(self.splits["train"], batch_size=self.batch_size, sampler=self.sampler,
                           collate_fn=self.collate, num_workers=self.num_workers)
 
     def val_dataloader(self):
-        return DataLoader(self.splits["validation"], batch_size=self.batch_size, shuffle=False,
+        rank, world = self._rank_world()
+        return DataLoader(self.splits["validation"], batch_size=self.batch_size,
+                          sampler=RankSlice(len(self.splits["validation"]), rank, world),
                           collate_fn=self.collate, num_workers=self.num_workers)

@@ -38,7 +38,14 @@ class MTPHeadsModule(L.LightningModule):
         self._val_chain = []
 
     def on_fit_start(self) -> None:
-        self.backbone.model.to(self.device)
+        """Put the frozen backbone next to the heads, in their dtype when the strategy made them half
+        precision (DeepSpeed bf16 casts the modules it wraps; the backbone is not one of them)."""
+        dtype = next(self.heads.parameters()).dtype
+        model = self.backbone.model
+        if dtype in (torch.bfloat16, torch.float16) and model.dtype != dtype:
+            model.to(self.device, dtype=dtype)
+        else:
+            model.to(self.device)
 
     def on_train_start(self) -> None:  # a resumed mid-epoch run starts here, not at an epoch start
         self.on_train_epoch_start()
@@ -87,7 +94,8 @@ class MTPHeadsModule(L.LightningModule):
                                            valid_tokens=attn.bool())  # (B, T, k)
             frac = masked_fraction(ada & valid, valid)  # (k,)
             for j in range(self.k):
-                self.log(f"{split}/masked_d{j + 1}", frac[j], on_step=False, on_epoch=True)
+                self.log(f"{split}/masked_d{j + 1}", frac[j], on_step=False, on_epoch=True,
+                         sync_dist=split == "val")
             mask = mask & ada[rows][None]
         target_idx = heads.to_draft(target_tok)  # (1, N, k), -1 outside the draft vocabulary
         if self.loss_cfg.name == "ce":  # a token the heads cannot score is no CE target
@@ -113,14 +121,15 @@ class MTPHeadsModule(L.LightningModule):
         alpha = acceptance(logits, teacher, teacher_logprobs=True)  # (1, N, k)
         n = valid.sum(dim=(0, 1)).clamp_min(1)  # (k,)
         on_step = split == "train"
-        self.log(f"{split}/loss", out.loss, prog_bar=True, on_step=on_step, on_epoch=True)
+        # validation figures are averaged over data-parallel ranks (training ones are this rank's)
+        kw = {"on_step": on_step, "on_epoch": True, "sync_dist": split == "val"}
+        self.log(f"{split}/loss", out.loss, prog_bar=True, **kw)
         for j in range(self.k):
             d = f"_d{j + 1}"
-            self.log(f"{split}/loss{d}", out.per_depth[j], on_step=on_step, on_epoch=True)
-            self.log(f"{split}/acc{d}", acc[..., j].sum() / n[j], on_step=on_step, on_epoch=True)
-            self.log(f"{split}/agree{d}", agree[..., j].sum() / n[j], on_step=on_step, on_epoch=True)
-            self.log(f"{split}/alpha{d}", (alpha[..., j] * valid[..., j]).sum() / n[j],
-                     on_step=on_step, on_epoch=True)
+            self.log(f"{split}/loss{d}", out.per_depth[j], **kw)
+            self.log(f"{split}/acc{d}", acc[..., j].sum() / n[j], **kw)
+            self.log(f"{split}/agree{d}", agree[..., j].sum() / n[j], **kw)
+            self.log(f"{split}/alpha{d}", (alpha[..., j] * valid[..., j]).sum() / n[j], **kw)
         if split == "val":
             full = valid.all(-1)  # (1, N): positions with every depth's target
             chain = agree[full].float().cumprod(-1).sum(-1)  # (M,) accepted drafts per position
@@ -137,7 +146,11 @@ class MTPHeadsModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         chain = torch.cat(self._val_chain) if self._val_chain else torch.zeros(0)
-        sim_tau = 1.0 + (chain.mean().item() if chain.numel() else 0.0)
+        # exact over ranks: the sum and the count of every rank's positions, reduced, then divided
+        totals = torch.tensor([chain.sum().item(), float(chain.numel())], device=self.device,
+                              dtype=torch.float64)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        sim_tau = 1.0 + (totals[0] / totals[1]).item() if totals[1] > 0 else 1.0
         self.log("val/sim_tau", sim_tau, prog_bar=True)
         self._wandb_depth_chart()
 
@@ -163,10 +176,25 @@ class MTPHeadsModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.heads.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay)
+        if _offloads_optimizer(self.trainer.strategy):  # ZeRO-Offload steps the optimizer on the CPU
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            opt = DeepSpeedCPUAdam(params, lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay,
+                                   adamw_mode=True)
+        else:
+            opt = torch.optim.AdamW(params, lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay)
         total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0
                     else self.trainer.estimated_stepping_batches)
         sched = get_cosine_with_min_lr_schedule_with_warmup(
             opt, num_warmup_steps=self.train_cfg.warmup_steps, num_training_steps=total,
             min_lr_rate=self.train_cfg.min_lr_ratio)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _offloads_optimizer(strategy) -> bool:
+    """Whether a (DeepSpeed) strategy's ZeRO config offloads the optimizer state to the CPU."""
+    cfg = getattr(strategy, "config", None)
+    if not isinstance(cfg, dict):
+        return False
+    off = cfg.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return off.get("device") in ("cpu", "nvme")

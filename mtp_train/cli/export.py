@@ -1,0 +1,106 @@
+"""mtp-export-heads: turn a training checkpoint into heads.safetensors + heads.json.
+
+  mtp-export-heads runs/my_run                          # <run>/checkpoints/last.ckpt
+  mtp-export-heads runs/my_run --checkpoint path/to/ckpt
+
+A DeepSpeed run leaves `last.ckpt` as a directory of ZeRO shards (one per rank); this gathers them
+with DeepSpeed's own consolidation, keeps only the heads, and writes the same files `mtp-train`
+writes at the end of a run, so `mtp-clp` and `mtp-eval` take the run directory as it is. A plain
+Lightning checkpoint file (DDP, one process) works too. The recipe comes from `<run>/.hydra/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mtp_train.errors import MtpError
+
+
+def checkpoint_state(path: Path) -> dict:
+    """The module state dict of a checkpoint: a ZeRO directory or a Lightning checkpoint file."""
+    import torch
+
+    from mtp_train.distributed import zero_state_dict
+
+    if path.is_dir():
+        return zero_state_dict(path)
+    if not path.is_file():
+        raise MtpError(f"{path}: no checkpoint here")
+    try:  # tensors and plain containers only: never unpickle arbitrary objects
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise MtpError(f"{path}: cannot read this checkpoint ({e})") from e
+    if "state_dict" not in ckpt:
+        raise MtpError(f"{path}: not a Lightning checkpoint (no state_dict)")
+    return ckpt["state_dict"]
+
+
+def load_recipe(run_dir: Path):
+    """The typed config a run was started with (Hydra saved it as <run>/.hydra/config.yaml)."""
+    from omegaconf import OmegaConf
+
+    from mtp_train.config import Config, validate
+
+    recipe = Path(run_dir) / ".hydra" / "config.yaml"
+    if not recipe.is_file():
+        raise MtpError(f"{recipe}: missing; export needs the config the run was started with")
+    raw = OmegaConf.load(recipe)
+    raw.paths.output_dir = str(run_dir)  # saved as ${hydra:...}, which resolves only inside Hydra
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+    except Exception as e:
+        raise MtpError(f"{recipe}: not a config of this version of mtp-train ({e})") from e
+    return validate(merged)
+
+
+def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
+    import torch
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.common import log
+    from mtp_train.cli.train import save_heads
+    from mtp_train.distributed import heads_from_module_state
+    from mtp_train.heads import build_heads, heads_state_dict
+
+    run_dir = Path(run_dir)
+    recipe = run_dir / ".hydra" / "config.yaml"
+    cfg = load_recipe(run_dir)
+    checkpoint = Path(checkpoint) if checkpoint else run_dir / "checkpoints" / "last.ckpt"
+    state = heads_from_module_state(checkpoint_state(checkpoint))
+    if not state:
+        raise MtpError(f"{checkpoint}: holds no heads parameters")
+    backbone = load_backbone(cfg.backbone)
+    draft_ids = state.get("draft_ids")
+    heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids.long() if draft_ids is not None else None)
+    wanted = heads_state_dict(heads)
+    missing = sorted(set(wanted) - set(state))
+    bad = [n for n in wanted if n in state and tuple(state[n].shape) != tuple(wanted[n].shape)]
+    if missing or bad:
+        raise MtpError(f"{checkpoint}: does not match heads={cfg.heads.type} k={cfg.heads.k} of "
+                       f"{recipe} (missing {missing[:3]}, other shapes {bad[:3]})")
+    with torch.no_grad():
+        for name, t in heads.state_dict().items():
+            if name in wanted:
+                t.copy_(state[name].to(t.dtype))
+    path = save_heads(run_dir, heads, backbone, cfg, metrics={"exported_from": str(checkpoint)})
+    log.info("heads written to %s", path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtp-export-heads", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="an mtp-train run directory")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a checkpoint file or ZeRO directory (default <run>/checkpoints/last.ckpt)")
+    args = parser.parse_args(argv)
+    try:
+        print(export_heads(args.run_dir, args.checkpoint))
+    except MtpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Leaving one process: checks of the trainer config, the DeepSpeed config composed from Hydra, and
+consolidation of a ZeRO checkpoint into `heads.safetensors`.
+
+The engines are Lightning's strategies (ddp, deepspeed); this module only composes their inputs and
+refuses, with the config key named, what cannot run on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from mtp_train.errors import ConfigError, MtpError
+
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def strategy_name(strategy: Any) -> str:
+    """'ddp', 'deepspeed', 'auto', ...: a strategy given as a string or as a `_target_` mapping."""
+    if strategy is None:
+        return "auto"
+    if isinstance(strategy, str):
+        return strategy.lower()
+    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else type(strategy).__name__
+    return "deepspeed" if "deepspeed" in target.lower() else target.rsplit(".", 1)[-1].lower()
+
+
+def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = None) -> None:
+    """Refuse a trainer config this machine cannot run, naming the key, before Lightning starts."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    cpus = cpus or os.cpu_count() or 1
+    accel = str(trainer.get("accelerator", "auto")).lower()
+    devices = trainer.get("devices", 1)
+    strategy = strategy_name(trainer.get("strategy"))
+    if strategy.startswith("deepspeed") and (accel == "cpu" or gpus == 0):
+        raise ConfigError("trainer.strategy: Lightning's DeepSpeed strategy runs on CUDA GPUs only and "
+                          f"{'trainer.accelerator is cpu' if accel == 'cpu' else 'no CUDA GPU is visible'}; "
+                          "use trainer=ddp for several CPU processes, or trainer=cpu")
+    if accel in GPU_ACCELERATORS and gpus == 0:
+        raise ConfigError(f"trainer.accelerator: {accel!r} asked, but no CUDA GPU is visible; "
+                          "use trainer=cpu or trainer=ddp")
+    if isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
+        n = int(devices)
+        if n < 1:
+            raise ConfigError(f"trainer.devices: {n}; give at least 1")
+        if accel in GPU_ACCELERATORS and n > gpus:
+            raise ConfigError(f"trainer.devices: {n} GPUs asked, {gpus} visible on this node")
+        if accel == "cpu" and n > cpus:
+            raise ConfigError(f"trainer.devices: {n} CPU processes asked, this machine has {cpus} cores")
+
+
+def deepspeed_config(stage: int, offload_optimizer: bool = False, offload_parameters: bool = False,
+                     bf16: bool = True, micro_batch_size: int | None = None,
+                     gradient_clipping: float | None = None, allgather_bucket_size: float = 2e8,
+                     reduce_bucket_size: float = 2e8, overlap_comm: bool = True,
+                     contiguous_gradients: bool = True, stage3_prefetch_bucket_size: float = 5e7,
+                     stage3_param_persistence_threshold: float = 1e5,
+                     stage3_max_live_parameters: float = 1e9, pin_memory: bool = True) -> dict:
+    """A DeepSpeed JSON config (as a dict) from the knobs conf/trainer/deepspeed_*.yaml exposes.
+
+    Lightning's DeepSpeedStrategy takes it as `config=`; it fills in what it owns (gradient
+    accumulation) when missing. `zero_allow_untested_optimizer` lets the module's AdamW through;
+    with an offloaded optimizer the module uses DeepSpeed's own CPU Adam instead.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"trainer.strategy.config.stage: ZeRO stage {stage}; use 0, 1, 2 or 3")
+    if offload_parameters and stage != 3:
+        raise ConfigError("trainer.strategy.config.offload_parameters: parameter offload needs ZeRO stage 3")
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": overlap_comm,
+                            "contiguous_gradients": contiguous_gradients,
+                            "reduce_bucket_size": int(float(reduce_bucket_size))}
+    if stage in (1, 2):
+        zero.update(allgather_partitions=True, allgather_bucket_size=int(float(allgather_bucket_size)),
+                    reduce_scatter=True)
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=int(float(stage3_prefetch_bucket_size)),
+                    stage3_param_persistence_threshold=int(float(stage3_param_persistence_threshold)),
+                    stage3_max_live_parameters=int(float(stage3_max_live_parameters)),
+                    stage3_gather_16bit_weights_on_model_save=True)
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    cfg: dict[str, Any] = {"zero_optimization": zero, "bf16": {"enabled": bool(bf16)},
+                           "zero_allow_untested_optimizer": True}
+    if micro_batch_size is not None:
+        cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
+    if gradient_clipping is not None:
+        cfg["gradient_clipping"] = float(gradient_clipping)
+    return cfg
+
+
+def validate_deepspeed_config(cfg: dict) -> None:
+    """Parse `cfg` with DeepSpeed's own config class (the parser `deepspeed.initialize` uses), for
+    one process: the batch fields Lightning fills in at launch get their one-process values."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    full = dict(cfg)
+    full.setdefault("train_micro_batch_size_per_gpu", 1)
+    full.setdefault("gradient_accumulation_steps", 1)
+    full.setdefault("train_batch_size",
+                    full["train_micro_batch_size_per_gpu"] * full["gradient_accumulation_steps"])
+    try:
+        DeepSpeedConfig(full)
+    except Exception as e:  # DeepSpeed raises assertion and value errors of its own
+        raise ConfigError(f"trainer.strategy.config: DeepSpeed rejects the composed config: {e}") from e
+
+
+def zero_state_dict(checkpoint: Path) -> dict:
+    """The fp32 state dict of a ZeRO checkpoint directory (Lightning's `last.ckpt/` layout or a
+    DeepSpeed save dir), gathered from every rank's shards by DeepSpeed's own consolidation."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    checkpoint = Path(checkpoint)
+    tag = None
+    if (checkpoint / "checkpoint").is_dir() and not (checkpoint / "latest").is_file():
+        tag = "checkpoint"  # Lightning saves under this tag without a `latest` file
+    try:
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
+    except (FileNotFoundError, ValueError) as e:
+        raise MtpError(f"{checkpoint}: not a DeepSpeed ZeRO checkpoint ({e})") from e
+
+
+def heads_from_module_state(state: dict) -> dict:
+    """The heads' tensors out of a LightningModule state dict, whatever wrapper prefix it carries."""
+    out = {}
+    for name, t in state.items():
+        i = name.find("heads.")
+        if i >= 0 and (i == 0 or name[i - 1] == "."):
+            out[name[i + len("heads."):]] = t
+    return out
