@@ -15,8 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mtp_train.distributed import check_trainer, deepspeed_config, heads_from_module_state, \
-    validate_deepspeed_config
+from mtp_train.distributed import (
+    check_trainer,
+    deepspeed_config,
+    heads_from_module_state,
+    validate_deepspeed_config,
+)
 from mtp_train.errors import ConfigError
 from mtp_train.lit.data import RankSlice, ResumableSampler
 

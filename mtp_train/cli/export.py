@@ -57,6 +57,7 @@ def load_recipe(run_dir: Path):
 
 def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     import torch
+
     from mtp_train.backbone import load_backbone
     from mtp_train.cli.common import log
     from mtp_train.cli.train import save_heads
