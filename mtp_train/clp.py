@@ -158,39 +158,54 @@ def pick_tau(rows: list[dict], greedy: dict, max_rep_increase: float, max_nll_in
     return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
 
 
-def sweep_tau(decoder, predictor: SpanPredictor, prompts: list[list[int]], taus: list[float],
-              max_new_tokens: int) -> tuple[dict, list[dict]]:
-    """Decode `prompts` greedily and in clp mode for each tau; per tau: tokens/s, tau (accepted
-    length), repetition, backbone NLL, greedy-match rate and mean first divergence."""
+def measure_decode(decoder, prompts: list[list[int]], max_new_tokens: int, mode: str,
+                   policy=None, bar=None) -> tuple[dict, list[list[int]]]:
+    """Decode every prompt in `mode`: (tokens/s, accepted length, repetition, backbone NLL), outputs."""
     import time
 
-    from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
+    from mtp_train.evaluate import backbone_nll, repetition_ratio
 
-    bb = decoder.backbone
+    outs, secs, steps, committed = [], 0.0, 0, 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        r = decoder.generate(p, max_new_tokens, mode, **({"span_policy": policy} if policy else {}))
+        secs += time.perf_counter() - t0
+        outs.append(r.tokens)
+        steps += r.steps
+        committed += sum(r.accept_lengths)
+        if bar is not None:
+            bar.update()
+    n = sum(len(o) for o in outs)
+    return {"tokens_per_s": n / secs, "accepted_length": committed / max(1, steps),
+            "repetition_ratio": sum(map(repetition_ratio, outs)) / len(outs),
+            "backbone_nll": sum(backbone_nll(decoder.backbone, p, o) for p, o in zip(prompts, outs, strict=True))
+            / len(outs)}, outs
 
-    def measure(mode: str, policy=None) -> tuple[dict, list[list[int]]]:
-        outs, secs, steps, committed = [], 0.0, 0, 0
-        for p in prompts:
-            t0 = time.perf_counter()
-            r = decoder.generate(p, max_new_tokens, mode, **({"span_policy": policy} if policy else {}))
-            secs += time.perf_counter() - t0
-            outs.append(r.tokens)
-            steps += r.steps
-            committed += sum(r.accept_lengths)
-        n = sum(len(o) for o in outs)
-        return {"tokens_per_s": n / secs, "accepted_length": committed / max(1, steps),
-                "repetition_ratio": sum(map(repetition_ratio, outs)) / len(outs),
-                "backbone_nll": sum(backbone_nll(bb, p, o) for p, o in zip(prompts, outs, strict=True))
-                / len(outs)}, outs
 
-    greedy, ref = measure("greedy")
+def sweep_tau(decoder, predictor: SpanPredictor, prompts: list[list[int]], taus: list[float],
+              max_new_tokens: int, greedy: tuple[dict, list[list[int]]] | None = None,
+              progress: bool = True) -> tuple[dict, list[dict]]:
+    """Decode `prompts` greedily and in clp mode for each tau; per tau: tokens/s, tau (accepted
+    length), repetition, backbone NLL, greedy-match rate and mean first divergence.
+
+    `greedy` = (figures, outputs) of an earlier `measure_decode(..., "greedy")` over the same
+    prompts, to reuse it; shown as a progress bar over decodes unless `progress` is false."""
+    from tqdm.auto import tqdm
+
+    from mtp_train.evaluate import first_divergence
+
+    bar = tqdm(total=len(prompts) * (len(taus) + (greedy is None)), desc="tau sweep", unit="decode",
+               disable=not progress)
+    figures, ref = greedy if greedy is not None else measure_decode(
+        decoder, prompts, max_new_tokens, "greedy", bar=bar)
     rows = []
     for tau in taus:
-        row, outs = measure("clp", SpanPolicy(predictor, tau))
+        row, outs = measure_decode(decoder, prompts, max_new_tokens, "clp", SpanPolicy(predictor, tau), bar)
         div = [first_divergence(o, g) for o, g in zip(outs, ref, strict=True)]
         diffs = [d for d in div if d is not None]
-        row.update(tau=tau, speedup_vs_greedy=row["tokens_per_s"] / greedy["tokens_per_s"],
+        row.update(tau=tau, speedup_vs_greedy=row["tokens_per_s"] / figures["tokens_per_s"],
                    greedy_match_rate=sum(d is None for d in div) / len(div),
                    first_divergence=sum(diffs) / len(diffs) if diffs else None)
         rows.append(row)
-    return greedy, rows
+    bar.close()
+    return figures, rows

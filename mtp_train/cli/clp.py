@@ -110,15 +110,17 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.cli.prep import labelled_dir
-    from mtp_train.clp import CLP_META, load_predictor, pick_tau, sweep_tau
+    from mtp_train.clp import CLP_META, load_predictor, measure_decode, pick_tau, sweep_tau
     from mtp_train.evaluate import held_out_prompts
 
     e = cfg.eval
     prompts = held_out_prompts(labelled_dir(cfg))[: cfg.clp.calib_prompts]
     results = {}
+    reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
     for kind in cfg.clp.kinds:
         pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
-        greedy, rows = sweep_tau(decoder, pred, prompts, list(cfg.clp.taus), e.max_new_tokens)
+        greedy, rows = sweep_tau(decoder, pred, prompts, list(cfg.clp.taus), e.max_new_tokens,
+                                 greedy=reference)
         best = pick_tau(rows, greedy, cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
         if best is None:
             log.warning("%s: no tau in %s keeps repetition within greedy + %.2f and NLL within greedy "

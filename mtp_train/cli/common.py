@@ -22,8 +22,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+FAILED = "FAILED.txt"
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _record_failure(cfg: DictConfig, error: BaseException) -> float:
+    """A failed sweep point: say why in <run dir>/FAILED.txt (the sweep report shows it) and return
+    NaN so the launcher goes on with the other points instead of stopping the sweep."""
+    import traceback
+
+    from hydra.core.hydra_config import HydraConfig
+
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = f"{type(error).__name__}: {error}\n\n" + "".join(
+        traceback.format_exception(type(error), error, error.__traceback__))
+    (out / FAILED).write_text(text)
+    log.error("sweep point %s failed: %s (details in %s)", HydraConfig.get().job.num, error, out / FAILED)
+    return float("nan")
+
+
 def entry(task):
-    """Wrap a Hydra task: validate the config first, turn MtpError into one line and exit code 2."""
+    """Wrap a Hydra task: validate the config first, turn MtpError into one line and exit code 2.
+
+    In a multirun (-m) a failing point does not stop the sweep: it leaves FAILED.txt in its run
+    directory and returns NaN, and the other points run."""
     if not Path(CONF_DIR, "config.yaml").is_file():
         raise SystemExit(f"mtp_train: config directory {CONF_DIR} not found; install the project "
                          "from its repository with `pip install -e .`")
@@ -33,8 +62,12 @@ def entry(task):
         try:
             typed = validate(cfg)
             return task(cfg, typed)
-        except MtpError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+        except Exception as e:
+            if _in_multirun():
+                return _record_failure(cfg, e)
+            if isinstance(e, MtpError):
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+            raise
 
     return wrapper

@@ -55,10 +55,17 @@ def run_prep(cfg: Config) -> dict:
     if cfg.stage not in STAGES:
         raise ConfigError(f"stage: mtp-prep has no stage {cfg.stage!r}; choose one of {', '.join(STAGES)}")
     todo = STAGES[:3] if cfg.stage == "all" else (cfg.stage,)  # the cache is asked for by name
+    from filelock import FileLock
+
     results = {}
+    out = Path(cfg.data.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     for stage in todo:
         t0 = time.time()
-        summary = STAGE_FNS[stage](cfg)
+        # sweep points started together (locally or on SLURM) may ask for the same preparation:
+        # one builds it, the others wait and then find it done (every stage is resumable)
+        with FileLock(str(out / f".{stage}.lock")):
+            summary = STAGE_FNS[stage](cfg)
         results[stage] = (time.time() - t0, summary)
         log.info("stage %s done in %.1f s", stage, results[stage][0])
     return results

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import hydra
@@ -119,7 +120,7 @@ def close_loggers(loggers: list) -> None:
             lg.experiment.finish()
 
 
-def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict) -> Path:
+def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world_size: int = 1) -> Path:
     from safetensors.torch import save_file
 
     from mtp_train.artifacts import write_json_atomic
@@ -137,6 +138,8 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict) -> Pa
         "loss": OmegaConf.to_container(OmegaConf.structured(cfg.loss)),
         "train": OmegaConf.to_container(OmegaConf.structured(cfg.train)),
         "metrics": metrics,
+        "run": {"slurm_job_id": os.environ.get("SLURM_JOB_ID"), "host": platform.node(),
+                "world_size": world_size},
     })
     return run_dir / HEADS_FILE
 
@@ -199,7 +202,7 @@ def run_train(cfg: Config) -> dict:
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     with gathered(heads, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
-            path = save_heads(run_dir, heads, backbone, cfg, metrics)
+            path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size)
     close_loggers(loggers)
     if trainer.is_global_zero:
         log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))
