@@ -98,3 +98,23 @@ def test_two_by_two_sweep_on_a_real_slurm(slurm, tmp_path):
     assert Path(out["plot"]).is_file()
     q = slurm.run("squeue", "-h")
     assert q.returncode == 0 and q.stdout.strip() == ""  # nothing left running
+
+
+@pytest.mark.slurm
+def test_sbatch_template_runs_two_ranks_under_srun(slurm, tmp_path):
+    """slurm/train_single_node.sbatch as a user submits it, with the GPU lines overridden for CPU:
+    srun starts 2 tasks, Lightning takes its ranks from Slurm, rank 0 writes the heads."""
+    repo = Path(__file__).parents[1]
+    run = tmp_path / "run"
+    env = {**slurm.env, "TRAINER": "ddp", "ACCELERATOR": "cpu", "MTP_REPO": str(repo),
+           "MTP_VENV": str(Path(sys.executable).parents[1]), "RUN_DIR": str(run)}
+    r = subprocess.run(["sbatch", "--wait", "--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1",
+                        "--mem=2G", f"--output={tmp_path / 'job.out'}", "--export=ALL",
+                        str(repo / "slurm" / "train_single_node.sbatch"), *POINT,
+                        f"paths.root_dir={tmp_path}", "logger=csv"],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").is_file() else ""
+    assert r.returncode == 0, r.stderr + log[-3000:]
+    meta = json.loads((run / "heads.json").read_text())
+    assert meta["run"]["world_size"] == 2 and meta["run"]["slurm_job_id"]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log
