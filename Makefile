@@ -45,7 +45,10 @@ demo: $(STAMP)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
 	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_ARGS)
-	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.heads=runs/demo/train hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
+	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.heads=runs/demo/train hydra.run.dir=runs/demo/clp $(DEMO_ARGS)
+	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.heads=runs/demo/train eval.clp=runs/demo/clp/clp \
+	  eval.gate=runs/demo/clp/gate "eval.modes=[greedy,verify,relaxed,adaptive,clp,gate,clp+verify]" \
+	  hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
