@@ -270,8 +270,10 @@ class EvalConfig:
     adaptive_policy: str = "cost"  # cost | entropy
     entropy_low: float = 0.5  # adaptive entropy policy: all heads at or below (nats)
     entropy_high: float = 3.0  # no head at or above
+    span_tau: float | None = None  # clp, gate, clp+verify at this tau instead of the calibrated one
 
     def __post_init__(self) -> None:
+        _check(self.span_tau is None or 0 < self.span_tau <= 1, "eval.span_tau", "must be in (0, 1] or null")
         for m in self.modes:
             _choice(m, DECODE_MODES, "eval.modes")
         _check(len(set(self.modes)) == len(self.modes), "eval.modes", "lists a mode twice")

@@ -149,6 +149,11 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads):
     assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
     assert set(report["modes"]["clp"]) == CORE_KEYS
     assert report["predictors"]["gate"]["parameters"] > 100 * report["predictors"]["clp"]["parameters"]
+    # eval.span_tau maps the trade-off at a tau of one's choosing; clp+verify stays lossless
+    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp={root}/clp/clp",
+                                "eval.span_tau=0.05"))
+    assert report["predictors"]["clp"]["tau"] == 0.05 == report["predictors"]["clp+verify"]["tau"]
+    assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
     # labels made with other heads are refused by the fit stage
     other = root / "other"
     shutil.copytree(root / "train", other)

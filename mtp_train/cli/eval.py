@@ -51,9 +51,14 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
         if mode not in cfg.eval.modes:
             continue
         pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
-        if not meta.get("calibrated"):
-            log.warning("%s: not calibrated (tau %.2f); run `mtp-clp stage=calibrate`", path, meta["tau"])
-        policy = SpanPolicy(pred, meta["tau"])
+        tau = meta["tau"]
+        if cfg.eval.span_tau is not None:
+            tau = cfg.eval.span_tau
+            log.warning("%s: %s at eval.span_tau = %.2f, not its calibrated tau %.2f", path, mode, tau,
+                        meta["tau"])
+        elif not meta.get("calibrated"):
+            log.warning("%s: not calibrated (tau %.2f); run `mtp-clp stage=calibrate`", path, tau)
+        policy = SpanPolicy(pred, tau)
         policy.parameters = count_parameters(pred)
         out[mode] = policy
     return out
