@@ -49,6 +49,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.heads=runs/demo/train eval.clp=runs/demo/clp/clp \
 	  eval.gate=runs/demo/clp/gate "eval.modes=[greedy,verify,relaxed,adaptive,clp,gate,clp+verify]" \
 	  hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
+	$(VENV)/bin/mtp-report runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

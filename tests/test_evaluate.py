@@ -148,6 +148,7 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads):
                                 f"eval.gate={root}/clp/gate"))
     assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
     assert set(report["modes"]["clp"]) == CORE_KEYS
+    _check_pipeline_report(root, report)
     assert report["predictors"]["gate"]["parameters"] > 100 * report["predictors"]["clp"]["parameters"]
     # eval.span_tau maps the trade-off at a tau of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp={root}/clp/clp",
@@ -164,3 +165,31 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads):
     with pytest.raises(MtpError, match="another heads checkpoint"):
         run_clp(_eval_cfg(root, *clp_args[:-1], f"clp.heads={other}", f"paths.output_dir={root}/clp",
                           "stage=fit"))
+
+
+def _check_pipeline_report(root, report):
+    """mtp-report over train/, clp/ and eval/ of the run above: every section with its figures."""
+    from mtp_train.report import write_report
+
+    page = write_report(root).read_text()
+    assert "heads: chained, k = 2" in page
+    verify_free = report["modes"]["clp"]
+    assert f"| clp | {verify_free['speedup_vs_hf']:.2f}x |" in page
+    assert "| clp | 195 |" in page.replace(",", "")  # the predictor table: 64 * 3 + 3 parameters
+    assert "## Sample outputs" in page and "*clp*:" in page
+    assert "| train |" in page and "| clp |" in page
+
+
+def test_report_training_curves_from_the_csv_logger(tmp_path):
+    from mtp_train.report import training_curves, write_report
+
+    run = tmp_path / "train" / "csv" / "version_0"
+    run.mkdir(parents=True)
+    lines = ["epoch,step,train/loss_step,val/loss,val/sim_tau,val/agree_d1,val/agree_d2"]
+    lines += [f"0,{s},{1 - s / 100},,,," for s in range(0, 40, 10)]
+    lines += ["0,39,,0.7,1.3,0.2,0.1"]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+    png = training_curves(tmp_path / "train", tmp_path / "curves.png")
+    assert png.stat().st_size > 5000
+    with pytest.raises(MtpError, match="nothing to report"):
+        write_report(tmp_path / "empty")

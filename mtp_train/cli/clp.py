@@ -20,6 +20,7 @@ from mtp_train.config import Config
 from mtp_train.errors import ConfigError, MtpError
 
 STAGES = ("label", "fit", "calibrate", "all")
+STAGE_TIMES = "stage_times.json"
 
 
 def _setup(cfg: Config):
@@ -141,14 +142,21 @@ def run_clp(cfg: Config) -> dict:
         raise ConfigError(f"stage: mtp-clp has stages {', '.join(STAGES)}, got {cfg.stage!r}")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    import time
+
+    from mtp_train.artifacts import read_json, write_json_atomic
+
     backbone, heads, decoder = _setup(cfg)
     results = {}
-    if cfg.stage in ("label", "all"):
-        results["label"] = stage_label(cfg, backbone, heads, decoder, out)
-    if cfg.stage in ("fit", "all"):
-        results["fit"] = stage_fit(cfg, backbone, heads, out)
-    if cfg.stage in ("calibrate", "all"):
-        results["calibrate"] = stage_calibrate(cfg, backbone, heads, decoder, out)
+    times = read_json(out / STAGE_TIMES) or {}
+    for stage, fn in (("label", lambda: stage_label(cfg, backbone, heads, decoder, out)),
+                      ("fit", lambda: stage_fit(cfg, backbone, heads, out)),
+                      ("calibrate", lambda: stage_calibrate(cfg, backbone, heads, decoder, out))):
+        if cfg.stage in (stage, "all"):
+            t0 = time.time()
+            results[stage] = fn()
+            times[stage] = round(time.time() - t0, 1)
+            write_json_atomic(out / STAGE_TIMES, times)  # wall seconds of each stage's last run
     return results
 
 

@@ -65,12 +65,15 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
 
 
 def run_eval(cfg: Config) -> dict:
+    import time
+
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.backbone import load_backbone
     from mtp_train.cli.train import ensure_tiny_data
     from mtp_train.evaluate import print_table, run_modes, save_report, write_plots
     from mtp_train.heads import load_heads
 
+    t0 = time.time()
     cfg.eval.check_inputs()
     out_dir = Path(cfg.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +89,7 @@ def run_eval(cfg: Config) -> dict:
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau)
     report["predictors"] = {m: {"parameters": p.parameters, "tau": p.tau} for m, p in policies.items()}
     report.update(backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
-                  max_new_tokens=cfg.eval.max_new_tokens)
+                  max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))
     path = save_report(report, out_dir)
     tok = backbone.tokenizer
     rows = [{"prompt": tok.decode(p), **{m: tok.decode(o[i]) for m, o in outputs.items()}}

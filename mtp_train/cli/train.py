@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import hydra
@@ -120,7 +121,8 @@ def close_loggers(loggers: list) -> None:
             lg.experiment.finish()
 
 
-def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world_size: int = 1) -> Path:
+def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world_size: int = 1,
+               elapsed_s: float | None = None) -> Path:
     from safetensors.torch import save_file
 
     from mtp_train.artifacts import write_json_atomic
@@ -139,7 +141,7 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
         "train": OmegaConf.to_container(OmegaConf.structured(cfg.train)),
         "metrics": metrics,
         "run": {"slurm_job_id": os.environ.get("SLURM_JOB_ID"), "host": platform.node(),
-                "world_size": world_size},
+                "world_size": world_size, "elapsed_s": elapsed_s},
     })
     return run_dir / HEADS_FILE
 
@@ -169,6 +171,7 @@ def run_train(cfg: Config) -> dict:
     from mtp_train.lit.module import MTPHeadsModule
 
     check_trainer(cfg.trainer)
+    t0 = time.time()
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +205,8 @@ def run_train(cfg: Config) -> dict:
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     with gathered(heads, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
-            path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size)
+            path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size,
+                              elapsed_s=round(time.time() - t0, 1))
     close_loggers(loggers)
     if trainer.is_global_zero:
         log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))

@@ -1,0 +1,227 @@
+"""mtp-report: one Markdown page for a pipeline run (what `make demo` leaves under runs/demo/).
+
+  mtp-report runs/demo            # reads train/, clp/, eval/; writes runs/demo/report.md
+
+What ran (backbone, data counts, head type, k, loss, timings per stage), the training curves
+(training_curves.png from the CSV logger), the evaluation table (HF generate and every decoding
+mode: speedup, tau, greedy match, repetition, NLL), the CLP and gate calibration, the per-depth
+acceptance and speedup plots mtp-eval drew, and greedy vs clp outputs for three prompts. A stage
+that has not run yet is listed as missing, so the page can be written at any point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+from mtp_train.errors import MtpError
+
+REPORT = "report.md"
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError as e:
+        raise MtpError(f"{path}: not valid JSON ({e})") from e
+
+
+def _fmt(x, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _minutes(s) -> str:
+    return "-" if s is None else f"{s / 60:.1f} min"
+
+
+def training_curves(train_dir: Path, out: Path) -> Path | None:
+    """train/loss per step and val/sim_tau + val agreement per depth against step, from metrics.csv."""
+    files = sorted(train_dir.glob("csv/version_*/metrics.csv"))
+    if not files:
+        return None
+    rows = []
+    for f in files:  # a resumed run writes a new version: read them all, in order
+        with f.open() as fh:
+            rows += list(csv.DictReader(fh))
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        pts = sorted({int(r["step"]): float(r[key]) for r in rows if r.get(key) not in (None, "")}.items())
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(*series("train/loss_step"), label="train loss", lw=1)
+    a.plot(*series("val/loss"), "o-", label="val loss")
+    a.set_xlabel("step")
+    a.set_title("loss")
+    a.legend(fontsize=8)
+    b.plot(*series("val/sim_tau"), "o-", label="val sim_tau", color="black")
+    b.set_xlabel("step")
+    b.set_title("validation: sim_tau and agreement per depth")
+    b2 = b.twinx()
+    j = 1
+    while any(f"val/agree_d{j}" in r for r in rows[:1]):
+        b2.plot(*series(f"val/agree_d{j}"), "--", label=f"agree d{j}")
+        j += 1
+    b.legend(loc="upper left", fontsize=8)
+    b2.legend(loc="lower right", fontsize=8)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _data_section(train_dir: Path) -> tuple[list[str], dict]:
+    """Data counts from the prepared datasets' manifests, found through the run's saved config."""
+    from mtp_train.cli.export import load_recipe
+
+    try:
+        cfg = load_recipe(train_dir)
+    except MtpError:
+        return ["(no saved config in the training run: data counts unknown)"], {}
+    base = Path(cfg.data.output_dir)
+    lab, dis = _json(base / "labelled" / "manifest.json"), _json(base / "distilled" / "manifest.json")
+    lines, times = [], {}
+    if lab:
+        lines.append(f"- original data (`{cfg.data.source}`): {lab['splits']['train']:,} train / "
+                     f"{lab['splits']['validation']:,} validation conversations, "
+                     f"{lab['assistant_tokens']['train']:,} assistant tokens (train)")
+        times["data"] = lab.get("elapsed_s")
+    if dis:
+        lines.append(f"- self-distilled: {dis['splits']['train']:,} train / {dis['splits']['validation']:,} "
+                     f"validation answers by the backbone, {dis['answer_tokens']['train']:,} answer tokens (train)")
+        times["distill"] = dis.get("elapsed_s_this_run")
+    max_length = cfg.train.max_length or cfg.data.max_length
+    caches = [m for m in (_json(p) for p in base.glob("cache-*/manifest.json")) if m and m.get("max_length") == max_length]
+    if caches:
+        c = max(caches, key=lambda m: m.get("tokens", 0))
+        lines.append(f"- hidden-state cache: {c['tokens']:,} tokens, {c['bytes'] / 1e6:.0f} MB "
+                     f"({c['bytes_per_token']:.0f} bytes/token)")
+        times["cache"] = c.get("elapsed_s_this_run")
+    lines.append(f"- training uses `train.data_use={cfg.train.data_use}`, rows cropped to {max_length} tokens")
+    return lines, times
+
+
+def write_report(run_root: str | Path) -> Path:
+    root = Path(run_root)
+    train, clp, ev = root / "train", root / "clp", root / "eval"
+    heads = _json(train / "heads.json")
+    report = _json(ev / "eval_report.json")
+    if heads is None and report is None:
+        raise MtpError(f"{root}: no train/heads.json and no eval/eval_report.json; nothing to report")
+    md = [f"# mtp-train report: {root}", ""]
+
+    md += ["## What ran", ""]
+    times: dict = {}
+    if heads:
+        data_lines, times = _data_section(train)
+        m = heads.get("metrics", {})
+        md += [f"- backbone: `{heads['backbone']['name']}` (hidden {heads['backbone']['hidden_size']}, "
+               f"vocabulary {heads['backbone']['vocab_size']:,}), frozen",
+               *data_lines,
+               f"- heads: {heads['head_type']}, k = {heads['k']}, draft vocabulary "
+               f"{heads.get('draft_size') or 'full'}; loss {heads['loss']['name']}"
+               f"{' + AdaMTP' if heads['loss'].get('adamtp') else ''}",
+               f"- validation after training: sim_tau {_fmt(m.get('val/sim_tau'))}, agreement per depth "
+               + " / ".join(_fmt(m.get(f"val/agree_d{j}"), 2) for j in range(1, heads["k"] + 1))]
+        times["train"] = (heads.get("run") or {}).get("elapsed_s")
+    else:
+        md.append("- training: missing")
+    stage_times = _json(clp / "stage_times.json") or {}
+    times["clp"] = sum(stage_times.values()) if stage_times else None
+    times["eval"] = report.get("elapsed_s") if report else None
+    md += ["", "| stage | wall time |", "|---|---|"]
+    md += [f"| {k} | {_minutes(v)} |" for k, v in times.items()]
+    total = sum(v for v in times.values() if v)
+    md += [f"| total | {_minutes(total)} |", ""]
+
+    png = training_curves(train, root / "training_curves.png") if heads else None
+    if png:
+        md += ["## Training", "", f"![training curves]({png.name})", ""]
+
+    if report:
+        md += ["## Decoding", "",
+               f"{next(iter(report['modes'].values())).get('n_prompts', '?')} held-out prompts, {report.get('max_new_tokens')} new tokens; "
+               f"speedup is tokens/s against HF `generate` greedy on the same prompts in the same run "
+               f"(step cost {_fmt(report.get('step_cost'), 2)}).", "",
+               "| mode | speedup | tokens/s | tau | alpha per depth | greedy match | repetition | backbone NLL |",
+               "|---|---|---|---|---|---|---|---|"]
+        for mode, r in report["modes"].items():
+            alpha = " / ".join(_fmt(a, 2) for a in r.get("alpha") or []) or "-"
+            md.append(f"| {mode} | {_fmt(r['speedup_vs_hf'], 2)}x | {_fmt(r['tokens_per_s'], 1)} | "
+                      f"{_fmt(r['tau'], 2)} | {alpha} | {_fmt(r['greedy_match_rate'], 2)} | "
+                      f"{_fmt(r['repetition_ratio'])} | {_fmt(r['backbone_nll'])} |")
+        md.append("")
+        for name in ("speedup.png", "acceptance.png"):
+            if (ev / name).is_file():
+                md.append(f"![{name[:-4]}](eval/{name})")
+        md.append("")
+
+    preds = [(k, _json(clp / k / "clp.json")) for k in ("clp", "gate")]
+    preds = [(k, m) for k, m in preds if m]
+    if preds:
+        md += ["## Span-length predictors", "", "| predictor | parameters | tau | calibrated |", "|---|---|---|---|"]
+        md += [f"| {k} | {m.get('parameters', 0):,} | {_fmt(m.get('tau'), 2)} | "
+               f"{'yes' if m.get('calibrated') else 'no tau met the bounds: accepts nothing extra'} |"
+               for k, m in preds]
+        md.append("")
+
+    outputs = _json(ev / "outputs.json") if (ev / "outputs.json").is_file() else None
+    if outputs:
+        other = next((m for m in ("clp", "gate", "verify") if m in outputs[0]), None)
+        md += ["## Sample outputs", ""]
+        for i, row in enumerate(outputs[:3]):
+            md += [f"**Prompt {i + 1}.** {_quote(row['prompt'])}", "",
+                   f"*greedy*: {_quote(row.get('greedy', row.get('hf_generate', '')))}", ""]
+            if other:
+                md += [f"*{other}*: {_quote(row[other])}", ""]
+    path = root / REPORT
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(md) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _quote(text: str, limit: int = 600) -> str:
+    text = " ".join(str(text).split())
+    return (text[:limit] + " ...") if len(text) > limit else text
+
+
+def summary(run_root: str | Path) -> str:
+    """The lines printed at the end of `make demo`: speedup and tau per mode."""
+    report = _json(Path(run_root) / "eval" / "eval_report.json")
+    if not report:
+        return "no evaluation yet"
+    return "\n".join(f"  {mode:<12} {r['speedup_vs_hf']:.2f}x  tau {r['tau']:.2f}  "
+                     f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}"
+                     for mode, r in report["modes"].items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mtp-report", description=__doc__.split("\n")[0])
+    ap.add_argument("run_root", type=Path, help="the directory holding train/, clp/ and eval/")
+    args = ap.parse_args(argv)
+    try:
+        path = write_report(args.run_root)
+    except MtpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}\n{summary(args.run_root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
