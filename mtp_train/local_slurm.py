@@ -123,6 +123,17 @@ class LocalSlurm:
     def run(self, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout)
 
+    def wait_idle(self, timeout: float = 60) -> bool:
+        """Wait until no job is queued or running (a job's result can be read before Slurm
+        has marked the job complete); True when the queue emptied in time."""
+        end = time.time() + timeout
+        while time.time() < end:
+            r = self.run("squeue", "-h")
+            if r.returncode == 0 and not r.stdout.strip():
+                return True
+            time.sleep(1)
+        return False
+
     def stop(self) -> None:
         """Kill the daemons this instance started (slurmd first, munged last), by pid."""
         for name in ("slurmd", "slurmctld", "munged"):
@@ -133,14 +144,17 @@ class LocalSlurm:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
-            for _ in range(50):
+            for _ in range(100):
                 try:
                     os.kill(pid, 0)
                 except ProcessLookupError:
                     break
                 time.sleep(0.1)
             else:
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it exited just now
         (self.dir / "pids.json").unlink(missing_ok=True)
 
 

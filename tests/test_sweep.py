@@ -96,8 +96,7 @@ def test_two_by_two_sweep_on_a_real_slurm(slurm, tmp_path):
         assert len(x["agree"]) == int(x["overrides"]["heads.k"])
     assert json.loads((tmp_path / "sweep" / "sweep_report.json").read_text())["ok"] == 4
     assert Path(out["plot"]).is_file()
-    q = slurm.run("squeue", "-h")
-    assert q.returncode == 0 and q.stdout.strip() == ""  # nothing left running
+    assert slurm.wait_idle(), slurm.run("squeue", "-h").stdout  # every job ends
 
 
 @pytest.mark.slurm
