@@ -26,7 +26,8 @@ def strategy_name(strategy: Any) -> str:
     return "deepspeed" if "deepspeed" in target.lower() else target.rsplit(".", 1)[-1].lower()
 
 
-def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = None) -> None:
+def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = None,
+                  multirun: bool = False) -> None:
     """Refuse a trainer config this machine cannot run, naming the key, before Lightning starts."""
     if gpus is None:
         import torch
@@ -51,10 +52,15 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
             raise ConfigError(f"trainer.devices: {n} GPUs asked, {gpus} visible on this node")
         if accel == "cpu" and n > cpus:
             raise ConfigError(f"trainer.devices: {n} CPU processes asked, this machine has {cpus} cores")
+        if multirun and n > 1 and "SLURM_NTASKS" not in os.environ:
+            # Lightning would relaunch the whole command line, -m included: every rank a new sweep
+            raise ConfigError(f"trainer.devices: {n} processes inside a local multirun (-m); run the "
+                              "points one by one, or sweep with hydra/launcher=slurm and "
+                              "hydra.launcher.tasks_per_node=trainer.devices")
 
 
 def deepspeed_config(stage: int, offload_optimizer: bool = False, offload_parameters: bool = False,
-                     bf16: bool = True, micro_batch_size: int | None = None,
+                     bf16: bool | None = None, micro_batch_size: int | None = None,
                      gradient_clipping: float | None = None, allgather_bucket_size: float = 2e8,
                      reduce_bucket_size: float = 2e8, overlap_comm: bool = True,
                      contiguous_gradients: bool = True, stage3_prefetch_bucket_size: float = 5e7,
@@ -62,8 +68,8 @@ def deepspeed_config(stage: int, offload_optimizer: bool = False, offload_parame
                      stage3_max_live_parameters: float = 1e9, pin_memory: bool = True) -> dict:
     """A DeepSpeed JSON config (as a dict) from the knobs conf/trainer/deepspeed_*.yaml exposes.
 
-    Lightning's DeepSpeedStrategy takes it as `config=`; it fills in what it owns (gradient
-    accumulation) when missing. `zero_allow_untested_optimizer` lets the module's AdamW through;
+    Lightning's DeepSpeedStrategy takes it as `config=`; it fills in what it owns when missing
+    (gradient accumulation and clipping, and the bf16/fp16 section from `trainer.precision`). `zero_allow_untested_optimizer` lets the module's AdamW through;
     with an offloaded optimizer the module uses DeepSpeed's own CPU Adam instead.
     """
     if stage not in (0, 1, 2, 3):
@@ -85,8 +91,9 @@ def deepspeed_config(stage: int, offload_optimizer: bool = False, offload_parame
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if offload_parameters:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
-    cfg: dict[str, Any] = {"zero_optimization": zero, "bf16": {"enabled": bool(bf16)},
-                           "zero_allow_untested_optimizer": True}
+    cfg: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+    if bf16 is not None:  # None: Lightning writes bf16/fp16 from trainer.precision
+        cfg["bf16"] = {"enabled": bool(bf16)}
     if micro_batch_size is not None:
         cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
     if gradient_clipping is not None:

@@ -138,7 +138,7 @@ class LocalSlurm:
         """Kill the daemons this instance started (slurmd first, munged last), by pid."""
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self.pids.pop(name, None)
-            if pid is None:
+            if pid is None or not _is(pid, name):  # gone, or the pid now belongs to another program
                 continue
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -158,6 +158,14 @@ class LocalSlurm:
         (self.dir / "pids.json").unlink(missing_ok=True)
 
 
+def _is(pid: int, name: str) -> bool:
+    """Whether process `pid` runs the program `name` (a stale pid file must not kill anything else)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip().startswith(name[:15])
+    except OSError:
+        return False
+
+
 def _read_pid(path: Path, timeout: float = 20) -> int:
     end = time.time() + timeout
     while time.time() < end:
@@ -175,9 +183,13 @@ def start(directory: str | Path, cpus: int | None = None, timeout: float = 60) -
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
+    ports = [_free_port()]
+    while len(ports) < 2:
+        if (p := _free_port()) != ports[0]:
+            ports.append(p)
     d.joinpath("slurm.conf").write_text(SLURM_CONF.format(
         host=host, dir=d, cpus=cpus or os.cpu_count() or 1, mem=max(256, _mem_mb() - 512),
-        ctld_port=_free_port(), d_port=_free_port()))
+        ctld_port=ports[0], d_port=ports[1]))
     cluster = LocalSlurm(d)
     try:
         if not _munge_works():
@@ -196,6 +208,7 @@ def start(directory: str | Path, cpus: int | None = None, timeout: float = 60) -
             if not _munge_works():
                 raise SlurmUnavailable("munged started but munge -n | unmunge fails")
         for daemon in ("slurmctld", "slurmd"):
+            (d / f"{daemon}.pid").unlink(missing_ok=True)  # never read a killed instance's pid
             r = subprocess.run([_which(daemon), "-f", str(cluster.conf)], env=cluster.env,
                                capture_output=True, text=True, timeout=30)
             if r.returncode != 0:

@@ -68,6 +68,14 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _order(point: tuple) -> tuple:
+    """Numbers in numeric order (1e-4 < 0.001 < 2), then anything else by name."""
+    try:
+        return (0, float(point[0]), "")
+    except ValueError:
+        return (1, 0.0, str(point[0]))
+
+
 def plot(rows: list[dict], path: Path, x_key: str = "heads.k") -> Path | None:
     """sim_tau against `x_key`, one line per combination of the other swept values."""
     import matplotlib
@@ -88,7 +96,7 @@ def plot(rows: list[dict], path: Path, x_key: str = "heads.k") -> Path | None:
         series.setdefault(label or "sim_tau", []).append((x, r["sim_tau"]))
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, pts in sorted(series.items()):
-        pts.sort(key=lambda p: float(p[0]) if str(p[0]).replace(".", "", 1).isdigit() else str(p[0]))
+        pts.sort(key=_order)
         ax.plot([str(p[0]) for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel(x_key or "point")
     ax.set_ylabel("val/sim_tau")

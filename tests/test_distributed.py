@@ -52,9 +52,11 @@ def test_rank_sampler_resume_skips_this_ranks_rows():
     assert list(s) == full  # the skip applies once
 
 
-def test_validation_slices_partition_the_rows():
+def test_validation_slices_are_disjoint_and_equal_per_rank():
     parts = [list(RankSlice(11, r, 3)) for r in range(3)]
-    assert sorted(sum(parts, [])) == list(range(11))
+    assert sorted(sum(parts, [])) == list(range(9))  # 11 - 11 % 3: every rank runs 3 rows
+    assert {len(p) for p in parts} == {3}
+    assert list(RankSlice(11)) == list(range(11))  # one process: every row
 
 
 # --- trainer checks ------------------------------------------------------------------------------
@@ -71,6 +73,9 @@ def test_trainer_checks_name_the_key():
         check_trainer({"accelerator": "cpu", "devices": 64, "strategy": "ddp"}, gpus=0, cpus=2)
     with pytest.raises(ConfigError, match="trainer.accelerator"):
         check_trainer({"accelerator": "gpu", "devices": 1}, gpus=0)
+    with pytest.raises(ConfigError, match="inside a local multirun"):
+        check_trainer({"accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2,
+                      multirun=True)
     check_trainer({"accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2)
     check_trainer({"accelerator": "gpu", "devices": 8, "strategy": "deepspeed"}, gpus=8)
 
@@ -95,7 +100,8 @@ def test_composed_deepspeed_configs_parse_with_deepspeed(compose_cfg, name, stag
     ds = hydra.utils.instantiate(cfg.trainer.strategy.config)
     zero = ds["zero_optimization"]
     assert zero["stage"] == stage and zero["reduce_bucket_size"] == 500_000_000
-    assert ds["train_micro_batch_size_per_gpu"] == 6 and ds["bf16"]["enabled"] is True
+    assert ds["train_micro_batch_size_per_gpu"] == 6
+    assert "bf16" not in ds and "fp16" not in ds  # Lightning writes it from trainer.precision
     assert ("offload_optimizer" in zero) == offload and ("offload_param" in zero) == offload
     validate_deepspeed_config(ds)  # DeepSpeed's own parser accepts it
 

@@ -49,6 +49,13 @@ def test_report_refuses_a_directory_without_points(tmp_path):
         gather(tmp_path)
 
 
+def test_plot_orders_numbers_numerically_and_names_after():
+    from mtp_train.sweep import _order
+
+    pts = [("0.001", 1), ("1e-4", 2), ("abc", 3), ("2", 4)]
+    assert [p[0] for p in sorted(pts, key=_order)] == ["1e-4", "0.001", "2", "abc"]
+
+
 def test_table_lists_swept_values_only():
     rows = [{"point": "0", "overrides": {"a": "1", "b": "x"}, "status": "ok", "sim_tau": 1.5,
              "agree": [0.5], "slurm_job_id": "7"},

@@ -60,6 +60,10 @@ def entry(task):
     @functools.wraps(task)
     def wrapper(cfg: DictConfig):
         try:
+            if _in_multirun():  # a rerun of a point that failed before starts clean
+                from hydra.core.hydra_config import HydraConfig
+
+                Path(HydraConfig.get().runtime.output_dir, FAILED).unlink(missing_ok=True)
             typed = validate(cfg)
             return task(cfg, typed)
         except Exception as e:

@@ -84,7 +84,13 @@ def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
         for name, t in heads.state_dict().items():
             if name in wanted:
                 t.copy_(state[name].to(t.dtype))
-    path = save_heads(run_dir, heads, backbone, cfg, metrics={"exported_from": str(checkpoint)})
+    old = {}
+    if (run_dir / "heads.json").is_file():
+        import json
+
+        old = json.loads((run_dir / "heads.json").read_text()).get("metrics") or {}
+    metrics = {**{k: v for k, v in old.items() if k != "exported_from"}, "exported_from": str(checkpoint)}
+    path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics)
     log.info("heads written to %s", path)
     return path
 

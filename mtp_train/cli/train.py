@@ -160,17 +160,29 @@ def gathered(heads, trainer):
     return contextlib.nullcontext()
 
 
+def _pin_local_gpu() -> None:
+    """With several processes per node, make this rank's GPU the current one before the backbone
+    loads, so 8 ranks do not all put a copy (and a CUDA context) on GPU 0 first."""
+    import torch
+
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+    if local is not None and torch.cuda.is_available() and int(local) < torch.cuda.device_count():
+        torch.cuda.set_device(int(local))
+
+
 def run_train(cfg: Config) -> dict:
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from mtp_train.backbone import load_backbone
+    from mtp_train.cli.common import _in_multirun
     from mtp_train.distributed import check_trainer
     from mtp_train.heads import build_heads, count_parameters
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
 
-    check_trainer(cfg.trainer)
+    check_trainer(cfg.trainer, multirun=_in_multirun())
+    _pin_local_gpu()
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.paths.output_dir)

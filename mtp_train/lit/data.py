@@ -111,11 +111,13 @@ class ResumableSampler(Sampler):
 
 
 class RankSlice(Sampler):
-    """Validation rows of one rank: r, r+w, r+2w, ... (no row twice, none dropped), so metrics
-    reduced as sums and counts over ranks equal the one-process figures exactly."""
+    """Validation rows of one rank: r, r+w, r+2w, ..., the same count on every rank (the last
+    n mod w rows are left out when w > 1): ZeRO-3 gathers parameters in every forward, so ranks
+    must run as many batches as each other. No row is seen twice, so val/sim_tau, reduced as sums
+    and counts over ranks, is exact over the rows used."""
 
     def __init__(self, n: int, rank: int = 0, world: int = 1):
-        self.n, self.rank, self.world = n, rank, world
+        self.n, self.rank, self.world = n - n % world, rank, world
 
     def __len__(self) -> int:
         return len(range(self.rank, self.n, self.world))
@@ -158,6 +160,9 @@ class MTPDataModule(L.LightningDataModule):
 
     def val_dataloader(self):
         rank, world = self._rank_world()
+        if len(self.splits["validation"]) < world:
+            raise DataError(f"{len(self.splits['validation'])} validation rows cannot give each of "
+                            f"{world} processes one; lower trainer.devices")
         return DataLoader(self.splits["validation"], batch_size=self.batch_size,
                           sampler=RankSlice(len(self.splits["validation"]), rank, world),
                           collate_fn=self.collate, num_workers=self.num_workers)

@@ -41,11 +41,10 @@ class MTPHeadsModule(L.LightningModule):
         """Put the frozen backbone next to the heads, in their dtype when the strategy made them half
         precision (DeepSpeed bf16 casts the modules it wraps; the backbone is not one of them)."""
         dtype = next(self.heads.parameters()).dtype
-        model = self.backbone.model
-        if dtype in (torch.bfloat16, torch.float16) and model.dtype != dtype:
-            model.to(self.device, dtype=dtype)
-        else:
-            model.to(self.device)
+        model = self.backbone.model.to(self.device)
+        if dtype in (torch.bfloat16, torch.float16):
+            for p in model.parameters():  # weights only: buffers such as RoPE's inv_freq stay fp32
+                p.data = p.data.to(dtype)
 
     def on_train_start(self) -> None:  # a resumed mid-epoch run starts here, not at an epoch start
         self.on_train_epoch_start()
