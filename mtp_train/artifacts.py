@@ -32,6 +32,9 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+FAILED = "FAILED.txt"  # in a sweep point's run dir: why it failed (cli.common writes, sweep reads)
+
+
 def read_json(path: Path) -> dict | None:
     """The JSON object in `path`, or None when it is missing or half-written."""
     try:

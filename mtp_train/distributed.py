@@ -16,6 +16,12 @@ from mtp_train.errors import ConfigError, MtpError
 GPU_ACCELERATORS = ("gpu", "cuda")
 
 
+def zero_config(strategy) -> dict:
+    """The `zero_optimization` section of a (DeepSpeed) strategy's config; {} for any other."""
+    cfg = getattr(strategy, "config", None)
+    return cfg.get("zero_optimization") or {} if isinstance(cfg, dict) else {}
+
+
 def strategy_name(strategy: Any) -> str:
     """'ddp', 'deepspeed', 'auto', ...: a strategy given as a string or as a `_target_` mapping."""
     if strategy is None:

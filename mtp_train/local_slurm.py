@@ -31,7 +31,8 @@ class SlurmUnavailable(RuntimeError):
 
 
 def _which(name: str) -> str | None:
-    return shutil.which(name) or next((str(p) for p in (Path("/usr/sbin") / name,) if p.exists()), None)
+    """`name` on PATH, or in /usr/sbin (where Debian puts the daemons, often off a user's PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin")
 
 
 def ensure_installed() -> None:

@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
+from mtp_train.artifacts import read_json as _json
 from mtp_train.errors import MtpError
 
 REPORT = "report.md"
-
-
-def _json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError as e:
-        raise MtpError(f"{path}: not valid JSON ({e})") from e
 
 
 def _fmt(x, nd: int = 3) -> str:
@@ -71,7 +64,7 @@ def training_curves(train_dir: Path, out: Path) -> Path | None:
     b.set_title("validation: sim_tau and agreement per depth")
     b2 = b.twinx()
     j = 1
-    while any(f"val/agree_d{j}" in r for r in rows[:1]):
+    while rows and f"val/agree_d{j}" in rows[0]:  # the CSV header names every logged depth
         b2.plot(*series(f"val/agree_d{j}"), "--", label=f"agree d{j}")
         j += 1
     b.legend(loc="upper left", fontsize=8)
@@ -179,7 +172,7 @@ def write_report(run_root: str | Path) -> Path:
                for k, m in preds]
         md.append("")
 
-    outputs = _json(ev / "outputs.json") if (ev / "outputs.json").is_file() else None
+    outputs = _json(ev / "outputs.json")
     if outputs:
         other = next((m for m in ("clp", "gate", "verify") if m in outputs[0]), None)
         md += ["## Sample outputs", ""]

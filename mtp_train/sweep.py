@@ -9,15 +9,13 @@ swept values).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import yaml
 
+from mtp_train.artifacts import FAILED, read_json
 from mtp_train.errors import MtpError
-
-FAILED = "FAILED.txt"
 
 
 def _overrides(run: Path) -> dict[str, str]:
@@ -34,11 +32,10 @@ def gather(sweep_dir: str | Path) -> list[dict]:
     rows = []
     for run in runs:
         row = {"point": run.name, "dir": str(run), "overrides": _overrides(run)}
-        meta_file = run / "heads.json"
+        meta = read_json(run / "heads.json")
         if (run / FAILED).is_file():
             row.update(status="failed", error=(run / FAILED).read_text().splitlines()[0][:300])
-        elif meta_file.is_file():
-            meta = json.loads(meta_file.read_text())
+        elif meta is not None:
             m = meta.get("metrics", {})
             row.update(status="ok", sim_tau=m.get("val/sim_tau"), k=meta.get("k"),
                        agree=[m.get(f"val/agree_d{j}") for j in range(1, (meta.get("k") or 0) + 1)],

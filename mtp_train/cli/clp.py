@@ -11,6 +11,7 @@ that `mtp-eval eval.clp=<run>/clp eval.gate=<run>/gate` loads.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import hydra
@@ -142,8 +143,6 @@ def run_clp(cfg: Config) -> dict:
         raise ConfigError(f"stage: mtp-clp has stages {', '.join(STAGES)}, got {cfg.stage!r}")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    import time
-
     from mtp_train.artifacts import read_json, write_json_atomic
 
     backbone, heads, decoder = _setup(cfg)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mtp_train.artifacts import FAILED
 from mtp_train.config import register_configs, validate
 from mtp_train.errors import MtpError
 
@@ -22,9 +23,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-FAILED = "FAILED.txt"
-
-
 def _in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -32,19 +30,25 @@ def _in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _record_failure(cfg: DictConfig, error: BaseException) -> float:
+def _failure_file() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir, FAILED)
+
+
+def _record_failure(error: BaseException) -> float:
     """A failed sweep point: say why in <run dir>/FAILED.txt (the sweep report shows it) and return
     NaN so the launcher goes on with the other points instead of stopping the sweep."""
     import traceback
 
     from hydra.core.hydra_config import HydraConfig
 
-    out = Path(HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    path = _failure_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = f"{type(error).__name__}: {error}\n\n" + "".join(
         traceback.format_exception(type(error), error, error.__traceback__))
-    (out / FAILED).write_text(text)
-    log.error("sweep point %s failed: %s (details in %s)", HydraConfig.get().job.num, error, out / FAILED)
+    path.write_text(text)
+    log.error("sweep point %s failed: %s (details in %s)", HydraConfig.get().job.num, error, path)
     return float("nan")
 
 
@@ -61,14 +65,12 @@ def entry(task):
     def wrapper(cfg: DictConfig):
         try:
             if _in_multirun():  # a rerun of a point that failed before starts clean
-                from hydra.core.hydra_config import HydraConfig
-
-                Path(HydraConfig.get().runtime.output_dir, FAILED).unlink(missing_ok=True)
+                _failure_file().unlink(missing_ok=True)
             typed = validate(cfg)
             return task(cfg, typed)
         except Exception as e:
             if _in_multirun():
-                return _record_failure(cfg, e)
+                return _record_failure(e)
             if isinstance(e, MtpError):
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(2) from None

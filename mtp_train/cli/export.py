@@ -84,11 +84,9 @@ def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
         for name, t in heads.state_dict().items():
             if name in wanted:
                 t.copy_(state[name].to(t.dtype))
-    old = {}
-    if (run_dir / "heads.json").is_file():
-        import json
+    from mtp_train.artifacts import read_json
 
-        old = json.loads((run_dir / "heads.json").read_text()).get("metrics") or {}
+    old = (read_json(run_dir / "heads.json") or {}).get("metrics") or {}
     metrics = {**{k: v for k, v in old.items() if k != "exported_from"}, "exported_from": str(checkpoint)}
     path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics)
     log.info("heads written to %s", path)

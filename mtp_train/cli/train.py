@@ -151,9 +151,9 @@ def gathered(heads, trainer):
     partitioned across ranks and must be gathered (by all ranks together) before saving."""
     import contextlib
 
-    strategy = trainer.strategy
-    cfg = getattr(strategy, "config", None)
-    if isinstance(cfg, dict) and cfg.get("zero_optimization", {}).get("stage") == 3:
+    from mtp_train.distributed import zero_config
+
+    if zero_config(trainer.strategy).get("stage") == 3:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None)

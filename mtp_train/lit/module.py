@@ -192,8 +192,6 @@ class MTPHeadsModule(L.LightningModule):
 
 def _offloads_optimizer(strategy) -> bool:
     """Whether a (DeepSpeed) strategy's ZeRO config offloads the optimizer state to the CPU."""
-    cfg = getattr(strategy, "config", None)
-    if not isinstance(cfg, dict):
-        return False
-    off = cfg.get("zero_optimization", {}).get("offload_optimizer") or {}
-    return off.get("device") in ("cpu", "nvme")
+    from mtp_train.distributed import zero_config
+
+    return (zero_config(strategy).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
