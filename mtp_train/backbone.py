@@ -105,13 +105,19 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
         add_lora(model, cfg.lora)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model.to(device)
+    return Backbone(model=model, tokenizer=tok, name=cfg.name, identity=backbone_identity(cfg))
+
+
+def backbone_identity(cfg: BackboneConfig) -> dict:
+    """What produces the backbone's weights, without loading them: stages that depend on the weights
+    hash this (a converted GGUF counts by its source file's sha256)."""
     identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path, "gguf_file": cfg.gguf_file,
                 "dtype": cfg.dtype, "lora": vars(cfg.lora) if cfg.lora.enabled else None,
                 "tiny": vars(cfg.tiny) if cfg.source == "tiny" else None}
     if cfg.source == "gguf":
         identity["weights_sha256"] = (read_json(Path(cfg.converted_dir) / CONVERT_MANIFEST) or {}).get(
             "source", {}).get("sha256")
-    return Backbone(model=model, tokenizer=tok, name=cfg.name, identity=identity)
+    return identity
 
 
 def load_tokenizer(cfg: BackboneConfig):

@@ -224,7 +224,11 @@ class ClpConfig:
     """mtp-clp: acceptance labels from decoding with trained heads, predictors fitted on them."""
 
     heads: str | None = None  # the mtp-train run directory whose heads make the labels
-    n_prompts: int = 32  # training-split prompts decoded for labels
+    # where labels come from: "cache" = every answer position of the self-distilled training rows
+    # in the hidden-state cache (the backbone's own greedy text; no decoding, seconds), "decode" =
+    # decode n_prompts training prompts with the heads, "auto" = cache when there is one
+    label_source: str = "auto"
+    n_prompts: int = 32  # training-split prompts decoded for labels (label_source=decode)
     max_new_tokens: int = 128
     shard_prompts: int = 8  # prompts per resumable shard
     val_fraction: float = 0.2  # of the labelled prompts, held out while fitting
@@ -242,6 +246,7 @@ class ClpConfig:
         _check(all(0 < t <= 1 for t in self.taus) and len(self.taus) > 0, "clp.taus",
                "must be values in (0, 1]")
         _check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
+        _choice(self.label_source, ("auto", "cache", "decode"), "clp.label_source")
         for kind in self.kinds:
             _choice(kind, ("clp", "gate"), "clp.kinds")
         _check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")

@@ -146,3 +146,44 @@ def test_clp_mode_accepting_everything_is_the_fixed_k_unverified_decode(tiny_bac
             seq += drafter.draft(torch.tensor(seq), None, min(k, new - (len(seq) - 3) - 1))[0].tolist()
             seq.append(int(bb.model(torch.tensor([seq])).logits[0, -1].argmax()))
     assert out.tokens == seq[3: 3 + new]
+
+
+def _slow_greedy_path_labels(drafts, ids, greedy, answer):
+    """The definition, one position and one depth at a time."""
+    T, k = len(drafts), len(drafts[0])
+    out = {}
+    for p in range(T - k - 1):
+        if not all(answer[p + i] for i in range(1, k + 2)) or ids[p + 1] != greedy[p]:
+            continue
+        m, known = 0, True
+        for j in range(1, k + 1):
+            if any(ids[p + i] != greedy[p + i - 1] for i in range(1, j + 1)):
+                known = False  # draft j's inputs left the greedy path: decoding never drafts this
+                break
+            if drafts[p][j - 1] != greedy[p + j]:
+                break
+            m = j
+        if known:
+            out[p] = m
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_path_labels_match_the_definition_position_by_position(seed):
+    from mtp_train.data.labels import greedy_path_labels
+
+    g = torch.Generator().manual_seed(seed)
+    T, k, V = 200, 3, 5
+    greedy = torch.randint(0, V, (T,), generator=g)
+    ids = torch.randint(0, V, (T,), generator=g)
+    follow = torch.rand(T, generator=g) < 0.8  # the text is the backbone's greedy token 80% of the time
+    ids[1:] = torch.where(follow[1:], greedy[:-1], ids[1:])
+    answer = torch.arange(T) >= 5
+    answer[30:33] = False  # a second prompt inside the row
+    drafts = torch.where(torch.rand(T, k, generator=g) < 0.7,  # drafts right 70% of the time
+                         torch.stack([torch.roll(greedy, -j) for j in range(1, k + 1)], -1),
+                         torch.randint(0, V, (T, k), generator=g))
+    pos, label = greedy_path_labels(drafts, ids, greedy, answer)
+    want = _slow_greedy_path_labels(drafts.tolist(), ids.tolist(), greedy.tolist(), answer.tolist())
+    assert dict(zip(pos.tolist(), label.tolist())) == want
+    assert set(want.values()) == {0, 1, 2, 3}  # the draws exercise every label

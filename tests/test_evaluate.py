@@ -129,7 +129,7 @@ def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
         assert key in blob, key
 
 
-def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads):
+def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypatch):
     import shutil
 
     from mtp_train.cli.clp import run_clp
@@ -144,8 +144,28 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads):
     assert set(res["fit"]) == {"clp", "gate"} and set(res["calibrate"]) == {"clp", "gate"}
     meta = json.loads((root / "clp" / "clp" / "clp.json").read_text())
     assert meta["parameters"] == 64 * 3 + 3 and meta["tau"] in (0.9, 0.5, 1.0) and "calibration" in meta
-    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,gate,clp+verify]", f"eval.clp={root}/clp/clp",
-                                f"eval.gate={root}/clp/gate"))
+    # a rerun skips every finished stage (and keeps their wall times); other taus recalibrate only
+    times = json.loads((root / "clp" / "stage_times.json").read_text())
+    again = run_clp(cfg)
+    assert again["label"] == res["label"]
+    assert all(r["skipped"] for stage in ("fit", "calibrate") for r in again[stage].values())
+    assert json.loads((root / "clp" / "stage_times.json").read_text()) == times
+    retuned = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.taus=[0.9,0.6]", f"clp.heads={root}/train",
+                                f"paths.output_dir={root}/clp"))
+    assert all(r["skipped"] for r in retuned["fit"].values())
+    assert not any(r["skipped"] for r in retuned["calibrate"].values())
+    eval_args = ["eval.modes=[greedy,clp,gate,clp+verify]", f"eval.clp={root}/clp/clp", f"eval.gate={root}/clp/gate"]
+    report = run_eval(_eval_cfg(root, *eval_args))
+    import mtp_train.evaluate as evaluate_mod
+
+    def no_decoding(*a, **k):
+        raise AssertionError("a finished evaluation decoded again")
+
+    with monkeypatch.context() as m:
+        m.setattr(evaluate_mod, "run_modes", no_decoding)
+        assert run_eval(_eval_cfg(root, *eval_args)) == report  # same inputs: the saved report
+        with pytest.raises(AssertionError, match="decoded again"):  # another setting measures again
+            run_eval(_eval_cfg(root, *eval_args, "eval.delta=0.2"))
     assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
     assert set(report["modes"]["clp"]) == CORE_KEYS
     _check_pipeline_report(root, report)
@@ -193,3 +213,62 @@ def test_report_training_curves_from_the_csv_logger(tmp_path):
     assert png.stat().st_size > 5000
     with pytest.raises(MtpError, match="nothing to report"):
         write_report(tmp_path / "empty")
+
+
+def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_text(trained_heads, tmp_path):
+    """The cache route (teacher-forced drafts on the backbone's own greedy text) gives, at every
+    step of a verify decode, the label m* that the decode itself records."""
+    import numpy as np
+    from datasets import load_from_disk
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.data.labels import labels_from_cache
+    from mtp_train.decoding import Decoder
+    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.heads import load_heads
+    from mtp_train.targets import IGNORE
+
+    root = trained_heads
+    cfg = _eval_cfg(root)
+    backbone = load_backbone(cfg.backbone)
+    heads, _ = load_heads(root / "train", backbone)
+    torch.manual_seed(0)
+    with torch.no_grad():  # trained heads are always right on the tiny language: make them err
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 1.5)
+    dec = Decoder(backbone, heads, eos_ids=[])
+    rows, hidden, top, decoded = [], [], [], {}
+    for i, prompt in enumerate(held_out_prompts(labelled_dir(cfg), "train")[:4]):
+        res = dec.generate(prompt, 24, "verify", trace=True)
+        ids = torch.tensor(prompt + res.tokens)
+        with torch.no_grad():
+            h = backbone.hidden_states(ids[None])[0]
+            top.append(backbone.logits(h).argmax(-1).numpy())
+        hidden.append(h.numpy())
+        rows.append({"input_ids": ids.tolist(), "labels": [IGNORE] * len(prompt) + res.tokens})
+        decoded.update({(i, p): kept for p, drafts, kept in res.trace
+                        if len(drafts) == heads.k and p + heads.k + 1 < len(ids)})
+
+    class ArrayCache:
+        manifest = {"config_hash": "test"}
+
+        def row(self, split, i):
+            return hidden[i]
+
+        def stats(self, split, i):
+            return {"top": top[i]}
+
+    m = labels_from_cache(rows, ArrayCache(), "train", 0, heads, backbone, tmp_path / "labels",
+                          {"heads_sha256": "x", "k": heads.k})
+    ds = load_from_disk(str(tmp_path / "labels"))
+    # which position each label row came from: its hidden state is that position's
+    from_cache = {}
+    for r in ds:
+        i = r["prompt"]
+        p = int(np.abs(hidden[i] - np.asarray(r["hidden"])).sum(-1).argmin())
+        from_cache[(i, p)] = r["label"]
+    assert decoded and set(decoded) <= set(from_cache)  # every decode step is a cache position
+    assert {key: from_cache[key] for key in decoded} == decoded
+    assert len(from_cache) > len(decoded)  # and the cache labels every position, not only steps
+    assert sum(m["label_histogram"]) == len(ds) and len(set(decoded.values())) > 1

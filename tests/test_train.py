@@ -130,12 +130,66 @@ def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg,
 
 @pytest.mark.parametrize("change,key", [("heads.k=3", "k"), ("heads=medusa", "head_type"),
                                         ("backbone.tiny.hidden_size=32", "hidden_size")])
-def test_resuming_with_other_heads_or_backbone_is_refused(typed_cfg, change, key):
+def test_resuming_a_run_dir_without_a_recipe_with_other_heads_or_backbone_is_refused(typed_cfg, tmp_path,
+                                                                                      change, key):
+    from mtp_train.cli.train import RUN_META
     from mtp_train.errors import ConfigError
 
     run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2"))
+    meta = json.loads((tmp_path / "out" / RUN_META).read_text())
+    del meta["recipe"]  # as a run directory from before recipes were recorded
+    (tmp_path / "out" / RUN_META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match=f"was made with another {key}"):
         run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", change))
+
+
+def _count_fits(monkeypatch) -> list:
+    import lightning as L
+
+    steps = []  # (global step at the start, at the end) of every Trainer.fit
+
+    def counting_fit(self, *a, _f=L.Trainer.fit, **k):
+        ckpt = k.get("ckpt_path")
+        start = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] if ckpt else 0
+        _f(self, *a, **k)
+        steps.append((start, self.global_step))
+
+    monkeypatch.setattr(L.Trainer, "fit", counting_fit)
+    return steps
+
+
+def test_a_finished_run_is_skipped_a_longer_one_resumes_and_force_retrains(typed_cfg, tmp_path, monkeypatch):
+    from mtp_train.cli.train import SUPERSEDED
+
+    fits = _count_fits(monkeypatch)
+    base = [*FAST, "heads=chained", "heads.k=2", "loss=kl"]
+    first = run_train(typed_cfg(*base))
+    weights = load_file(str(tmp_path / "out" / "heads.safetensors"))
+    assert run_train(typed_cfg(*base)) == first  # same recipe and length: nothing trains
+    assert fits == [(0, 4)]
+    assert torch.equal(load_file(str(tmp_path / "out" / "heads.safetensors"))["proj.0.weight"],
+                       weights["proj.0.weight"])
+    run_train(typed_cfg(*base, "trainer.max_steps=6"))  # only longer: resumes at step 4
+    assert fits == [(0, 4), (4, 6)]
+    run_train(typed_cfg(*base, "trainer.max_steps=6", "force=true"))
+    assert fits[-1] == (0, 6)
+    assert list((tmp_path / "out" / SUPERSEDED).glob("*/heads.safetensors"))
+
+
+def test_a_changed_recipe_trains_afresh_and_keeps_the_old_run(typed_cfg, tmp_path, monkeypatch):
+    from mtp_train.cli.train import SUPERSEDED
+
+    fits = _count_fits(monkeypatch)
+    run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=kl"))
+    old_meta = json.loads((tmp_path / "out" / "heads.json").read_text())
+    run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=ce"))  # same shapes, other loss
+    assert fits == [(0, 4), (0, 4)]
+    assert json.loads((tmp_path / "out" / "heads.json").read_text())["loss"]["name"] == "ce"
+    kept = tmp_path / "out" / SUPERSEDED / old_meta["recipe"]["recipe"]
+    assert json.loads((kept / "heads.json").read_text())["loss"]["name"] == "kl"
+    assert (kept / "checkpoints" / "last.ckpt").is_file() and (kept / "heads.safetensors").is_file()
+    run_train(typed_cfg(*FAST, "heads=chained", "heads.k=3", "loss=ce"))  # other shapes: also afresh
+    assert fits[-1] == (0, 4)
 
 
 def test_a_draft_vocabulary_is_chosen_from_the_data_and_saved_with_the_heads(typed_cfg, tmp_path):

@@ -40,19 +40,69 @@ def _setup(cfg: Config):
     return backbone, heads, Decoder(backbone, heads, eos_ids=eos)
 
 
+def distilled_cache(cfg: Config, backbone):
+    """(train rows, hidden-state cache, index of the first self-distilled row) when the training
+    cache holds the backbone's own answers, else None."""
+    from datasets import load_from_disk
+
+    from mtp_train.cli.prep import data_dirs, distilled_dir
+    from mtp_train.cli.train import open_cache
+    from mtp_train.lit.data import load_splits
+
+    dirs = data_dirs(cfg)
+    if distilled_dir(cfg) not in dirs:
+        return None
+    cache = open_cache(cfg, backbone)
+    if cache is None:
+        return None
+    first = sum(len(load_from_disk(str(d))["train"]) for d in dirs[: dirs.index(distilled_dir(cfg))])
+    return load_splits(dirs)["train"], cache, first
+
+
 def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256
     from mtp_train.cli.prep import labelled_dir
-    from mtp_train.data.labels import make_labels
+    from mtp_train.data.labels import labels_from_cache, make_labels
     from mtp_train.evaluate import held_out_prompts
 
+    source = cfg.clp.label_source
+    found = distilled_cache(cfg, backbone) if source in ("auto", "cache") else None
+    if source == "cache" and found is None:
+        raise ConfigError("clp.label_source: 'cache' needs the hidden-state cache of self-distilled "
+                          "data (train.data_use=distilled or mix, then `mtp-prep stage=cache`); or "
+                          "set clp.label_source=decode")
+    identity = {"backbone": backbone.name, "backbone_identity": backbone.identity,
+                "heads_sha256": file_sha256(Path(cfg.clp.heads) / "heads.safetensors"), "k": heads.k}
+    if found is not None:
+        rows, cache, first = found
+        return labels_from_cache(rows, cache, "train", first, heads, backbone, out / "labels",
+                                 {**identity, "cache": cache.manifest.get("config_hash")})
     prompts = [p for p in held_out_prompts(labelled_dir(cfg), "train")
                if len(p) + cfg.clp.max_new_tokens <= getattr(backbone.config, "max_position_embeddings", 10**9)]
     prompts = prompts[: cfg.clp.n_prompts]
-    identity = {"backbone": backbone.name, "backbone_identity": backbone.identity,
-                "heads_sha256": file_sha256(Path(cfg.clp.heads) / "heads.safetensors"), "k": heads.k}
     return make_labels(prompts, decoder, out / "labels", cfg.clp.max_new_tokens, cfg.clp.shard_prompts,
                        identity)
+
+
+def fit_key(cfg: Config, kind: str, labels_manifest: dict) -> str:
+    """What a fitted predictor depends on: its labels (their manifest's hash) and fit settings."""
+    from mtp_train.artifacts import config_hash
+
+    c = cfg.clp
+    return config_hash({"labels": labels_manifest.get("config_hash"), "kind": kind, "seed": cfg.seed,
+                        "use_head_probs": c.use_head_probs, "epochs": c.epochs, "batch_size": c.batch_size,
+                        "lr": c.lr, "val_fraction": c.val_fraction})
+
+
+def calibration_key(cfg: Config, predictor_meta: dict, prompts: list[list[int]]) -> str:
+    """What a calibrated tau depends on: the fitted predictor, the prompts, taus, bounds and length."""
+    from mtp_train.artifacts import config_hash
+
+    c = cfg.clp
+    return config_hash({"fit": predictor_meta.get("fit_hash"), "heads": predictor_meta.get("heads_sha256"),
+                        "prompts": config_hash(prompts), "taus": list(c.taus),
+                        "bounds": [c.max_repetition_increase, c.max_nll_increase],
+                        "max_new_tokens": cfg.eval.max_new_tokens})
 
 
 def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
@@ -61,8 +111,8 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     from datasets import load_from_disk
     from torch.utils.data import DataLoader, TensorDataset
 
-    from mtp_train.artifacts import file_sha256, read_manifest
-    from mtp_train.clp import build_predictor, class_weights, count_parameters, save_predictor
+    from mtp_train.artifacts import file_sha256, read_json, read_manifest
+    from mtp_train.clp import CLP_FILE, CLP_META, build_predictor, class_weights, count_parameters, save_predictor
     from mtp_train.lit.clp import SpanFitModule
 
     labels_dir = out / "labels"
@@ -73,11 +123,11 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     if manifest.get("heads_sha256") != heads_hash or manifest.get("k") != heads.k:
         raise ConfigError(f"{labels_dir}: labels were made with another heads checkpoint; rerun "
                           "`mtp-clp stage=label` for clp.heads")
-    ds = load_from_disk(str(labels_dir))
-    hidden = torch.tensor(ds["hidden"][:], dtype=torch.float32)  # (n, d)
-    probs = torch.tensor(ds["head_probs"][:], dtype=torch.float32)  # (n, k)
-    labels = torch.tensor(ds["label"][:], dtype=torch.long)
-    prompt = torch.tensor(ds["prompt"][:], dtype=torch.long)
+    ds = load_from_disk(str(labels_dir)).with_format("numpy")  # columns as arrays, not Python lists
+    hidden = torch.as_tensor(ds["hidden"][:], dtype=torch.float32)  # (n, d)
+    probs = torch.as_tensor(ds["head_probs"][:], dtype=torch.float32)  # (n, k)
+    labels = torch.as_tensor(ds["label"][:], dtype=torch.long)
+    prompt = torch.as_tensor(ds["prompt"][:], dtype=torch.long)
     n_prompts = int(prompt.max()) + 1
     val_every = max(2, round(1 / cfg.clp.val_fraction))
     is_val = (prompt % val_every) == 0  # held out by prompt, not by step: steps of one answer correlate
@@ -86,6 +136,12 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     weights = class_weights(labels[~is_val], heads.k)
     results = {}
     for kind in cfg.clp.kinds:
+        key = fit_key(cfg, kind, manifest)
+        old = read_json(out / kind / CLP_META)
+        if not cfg.force and old is not None and old.get("fit_hash") == key and (out / kind / CLP_FILE).is_file():
+            log.info("%s: fitted on these labels with these settings already; skipping", kind)
+            results[kind] = {**old["fit"], "skipped": True}
+            continue
         torch.manual_seed(cfg.seed)
         pred = build_predictor(kind, backbone.hidden_size, heads.k, cfg.clp.use_head_probs)
         module = SpanFitModule(pred, weights, cfg.clp.lr)
@@ -99,6 +155,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
         trainer.fit(module, loader(~is_val, True), loader(is_val, False))
         val = {k: float(v) for k, v in trainer.validate(module, loader(is_val, False), verbose=False)[0].items()}
         meta = {"backbone": backbone.name, "heads_sha256": heads_hash, "tau": 1.0, "calibrated": False,
+                "fit_hash": key,
                 "label_histogram": manifest["label_histogram"], "class_weights": weights.tolist(),
                 "fit": val}
         save_predictor(out / kind, pred, meta)
@@ -117,10 +174,20 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
 
     e = cfg.eval
     prompts = held_out_prompts(labelled_dir(cfg))[: cfg.clp.calib_prompts]
-    results = {}
-    reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
+    results, todo = {}, []
     for kind in cfg.clp.kinds:
         pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
+        key = calibration_key(cfg, meta, prompts)
+        if not cfg.force and meta.get("calibration_hash") == key:
+            log.info("%s: calibrated for this predictor and these settings already (tau %.2f); skipping",
+                     kind, meta["tau"])
+            results[kind] = {"tau": meta["tau"], "skipped": True}
+        else:
+            todo.append((kind, pred, meta, key))
+    if not todo:
+        return results
+    reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
+    for kind, pred, meta, key in todo:
         greedy, rows = sweep_tau(decoder, pred, prompts, list(cfg.clp.taus), e.max_new_tokens,
                                  greedy=reference)
         best = pick_tau(rows, greedy, cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
@@ -128,12 +195,12 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
             log.warning("%s: no tau in %s keeps repetition within greedy + %.2f and NLL within greedy "
                         "+ %.2f nats; keeping tau = 1.0 (accept no draft)", kind, list(cfg.clp.taus),
                         cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
-        meta.update(tau=best["tau"] if best else 1.0, calibrated=best is not None,
+        meta.update(tau=best["tau"] if best else 1.0, calibrated=best is not None, calibration_hash=key,
                     bounds={"max_repetition_increase": cfg.clp.max_repetition_increase,
                             "max_nll_increase": cfg.clp.max_nll_increase},
                     calibration={"greedy": greedy, "taus": rows, "n_prompts": len(prompts)})
         write_json_atomic(out / kind / CLP_META, meta)
-        results[kind] = meta["tau"]
+        results[kind] = {"tau": meta["tau"], "skipped": False}
         log.info("%s: tau = %.2f%s", kind, meta["tau"], "" if best else " (no tau met the bounds)")
     return results
 
@@ -153,9 +220,13 @@ def run_clp(cfg: Config) -> dict:
                       ("calibrate", lambda: stage_calibrate(cfg, backbone, heads, decoder, out))):
         if cfg.stage in (stage, "all"):
             t0 = time.time()
+            before = read_json(out / "labels" / "manifest.json")
             results[stage] = fn()
-            times[stage] = round(time.time() - t0, 1)
-            write_json_atomic(out / STAGE_TIMES, times)  # wall seconds of each stage's last run
+            skipped = (before is not None and before == results[stage] if stage == "label" else
+                       all(r.get("skipped") for r in results[stage].values()))
+            if not skipped:  # wall seconds of each stage's last run that did work
+                times[stage] = round(time.time() - t0, 1)
+                write_json_atomic(out / STAGE_TIMES, times)
     return results
 
 

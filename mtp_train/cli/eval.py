@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import hydra
+from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR, entry, log
 from mtp_train.config import Config
@@ -64,6 +65,40 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
     return out
 
 
+def eval_key(cfg: Config) -> str:
+    """What an evaluation depends on: every eval setting, the backbone, the prompts' source and the
+    exact weights of the heads and predictors (and the predictors' calibrated tau)."""
+    from mtp_train.artifacts import config_hash, file_sha256, read_manifest
+    from mtp_train.backbone import backbone_identity
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.clp import CLP_FILE, CLP_META
+    from mtp_train.heads import HEADS_FILE
+
+    def sha(path) -> str | None:
+        return file_sha256(path) if path and Path(path).is_file() else None
+
+    e = OmegaConf.to_container(OmegaConf.structured(cfg.eval))
+    predictors = {name: [sha(Path(d) / CLP_FILE), sha(Path(d) / CLP_META)] if d else None
+                  for name, d in (("clp", cfg.eval.clp), ("gate", cfg.eval.gate))}
+    return config_hash({
+        "eval": e, "backbone": backbone_identity(cfg.backbone),
+        "prompts": sha(cfg.eval.prompts) if cfg.eval.prompts else
+        (read_manifest(labelled_dir(cfg)) or {}).get("config_hash"),
+        "heads": sha(Path(cfg.eval.heads) / HEADS_FILE) if cfg.eval.heads else None,
+        "predictors": predictors})
+
+
+def finished_eval(cfg: Config, out_dir: Path, key: str) -> dict | None:
+    """The report of an evaluation this run directory already holds for exactly these inputs."""
+    from mtp_train.artifacts import read_json
+    from mtp_train.evaluate import REPORT
+
+    report = read_json(out_dir / REPORT)
+    if cfg.force or report is None or report.get("config_hash") != key:
+        return None
+    return report if (out_dir / "outputs.json").is_file() else None
+
+
 def run_eval(cfg: Config) -> dict:
     import time
 
@@ -79,6 +114,12 @@ def run_eval(cfg: Config) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.eval.prompts:
         ensure_tiny_data(cfg)
+    key = eval_key(cfg)
+    if (done := finished_eval(cfg, out_dir, key)) is not None:
+        log.info("%s already holds this evaluation (same heads, predictors, prompts and settings); "
+                 "skipping (force=true measures again)", out_dir)
+        print_table(done)
+        return done
     backbone = load_backbone(cfg.backbone)
     heads, meta = (load_heads(cfg.eval.heads, backbone) if cfg.eval.heads else (None, {}))
     policies = load_span_policies(cfg, backbone, heads)
@@ -88,7 +129,7 @@ def run_eval(cfg: Config) -> dict:
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau)
     report["predictors"] = {m: {"parameters": p.parameters, "tau": p.tau} for m, p in policies.items()}
-    report.update(backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
+    report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
                   max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))
     path = save_report(report, out_dir)
     tok = backbone.tokenizer

@@ -89,17 +89,69 @@ def make_loggers(cfg) -> list:
 
 
 RUN_META = "run_meta.json"
+SUPERSEDED = "superseded"
+
+
+def recipe_keys(cfg: Config) -> tuple[str, str]:
+    """(recipe, finished) hashes of a training run, computed without loading anything.
+
+    The recipe is what the checkpoints depend on: backbone weights, prepared data (their manifests'
+    hashes), row length, heads, loss, optimiser and seed; a run directory whose checkpoints were made
+    for another recipe starts over. `finished` adds the run's length and precision: heads written
+    under the same `finished` hash are up to date and the run is skipped (force=true trains again).
+    Changing only trainer.max_steps keeps the recipe, so a longer run resumes from last.ckpt."""
+    from mtp_train.artifacts import config_hash, read_manifest
+    from mtp_train.backbone import backbone_identity
+
+    structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
+    train = {k: v for k, v in structured(cfg.train).items() if k not in ("num_workers", "use_cache")}
+    data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
+    recipe = config_hash({"backbone": backbone_identity(cfg.backbone), "data": data,
+                          "max_length": cfg.train.max_length or cfg.data.max_length,
+                          "heads": structured(cfg.heads), "loss": structured(cfg.loss), "train": train,
+                          "seed": cfg.seed})
+    t = cfg.trainer
+    finished = config_hash({"recipe": recipe, "max_steps": t.get("max_steps"),
+                            "max_epochs": t.get("max_epochs"), "precision": str(t.get("precision"))})
+    return recipe, finished
+
+
+def finished_run(run_dir: Path, finished: str) -> dict | None:
+    """The metrics of heads this run directory already holds for exactly this recipe and length."""
+    from mtp_train.artifacts import read_json
+
+    meta = read_json(run_dir / HEADS_META)
+    if meta and (meta.get("recipe") or {}).get("finished") == finished and (run_dir / HEADS_FILE).is_file():
+        return meta
+    return None
+
+
+def supersede(run_dir: Path, old_recipe: str) -> Path:
+    """Move what a run directory holds for another recipe (checkpoints, heads, logs) to
+    <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing."""
+    dest = run_dir / SUPERSEDED / old_recipe
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("checkpoints", HEADS_FILE, HEADS_META, RUN_META, "csv"):
+        src = run_dir / name
+        if src.exists():
+            target = dest / name
+            if target.exists():  # superseded twice by the same recipe: keep the newer copy
+                import shutil
+
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            os.replace(src, target)
+    return dest
 
 
 def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool,
-                         write: bool = True) -> None:
+                         write: bool = True, recipe: str | None = None) -> None:
     """A run directory remembers what its checkpoints were made for; resuming with other heads or
     another backbone is refused before Lightning tries (and fails deep inside) to load them."""
     from mtp_train.artifacts import read_json, write_json_atomic
 
     meta = {"backbone": backbone.name, "hidden_size": backbone.hidden_size,
             "vocab_size": backbone.vocab_size, "head_type": cfg.heads.type, "k": cfg.heads.k,
-            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}}
+            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}, "recipe": recipe}
     old = read_json(run_dir / RUN_META)
     if resuming and old is not None:
         for key in ("backbone", "hidden_size", "vocab_size", "head_type", "k", "heads"):
@@ -122,7 +174,7 @@ def close_loggers(loggers: list) -> None:
 
 
 def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world_size: int = 1,
-               elapsed_s: float | None = None) -> Path:
+               elapsed_s: float | None = None, recipe: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
     from mtp_train.artifacts import write_json_atomic
@@ -140,6 +192,7 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
         "loss": OmegaConf.to_container(OmegaConf.structured(cfg.loss)),
         "train": OmegaConf.to_container(OmegaConf.structured(cfg.train)),
         "metrics": metrics,
+        "recipe": recipe,
         "run": {"slurm_job_id": os.environ.get("SLURM_JOB_ID"), "host": platform.node(),
                 "world_size": world_size, "elapsed_s": elapsed_s},
     })
@@ -158,6 +211,11 @@ def gathered(heads, trainer):
 
         return deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None)
     return contextlib.nullcontext()
+
+
+def _is_rank_zero() -> bool:
+    """Before Lightning sets ranks up: rank 0 of a torchrun/srun launch, or a single process."""
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "SLURM_PROCID", "LOCAL_RANK"))
 
 
 def _pin_local_gpu() -> None:
@@ -188,6 +246,20 @@ def run_train(cfg: Config) -> dict:
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ensure_tiny_data(cfg)
+    recipe, finished = recipe_keys(cfg)
+    if not cfg.force and (done := finished_run(run_dir, finished)) is not None:
+        log.info("%s already holds heads trained with this recipe and length; skipping "
+                 "(force=true trains again)", run_dir)
+        return done["metrics"]
+    from mtp_train.artifacts import read_json
+
+    old_recipe = (read_json(run_dir / RUN_META) or {}).get("recipe")
+    if (cfg.force or (old_recipe and old_recipe != recipe)) and any(
+            (run_dir / n).exists() for n in ("checkpoints", HEADS_FILE)):
+        if _is_rank_zero():
+            where = supersede(run_dir, old_recipe or "unknown")
+            log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir,
+                        "force=true" if cfg.force else "the recipe changed", where)
     backbone = load_backbone(cfg.backbone)
     max_length = cfg.train.max_length or cfg.data.max_length
     if cfg.heads.k >= max_length - 1:
@@ -210,7 +282,8 @@ def run_train(cfg: Config) -> dict:
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
     last = ckpt_dir / "last.ckpt"  # a file, or a directory of ZeRO shards under DeepSpeed
     resuming = last.exists()
-    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero)
+    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero,
+                         recipe=recipe)
     if resuming:
         log.info("resuming from %s", last)
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None)
@@ -218,7 +291,8 @@ def run_train(cfg: Config) -> dict:
     with gathered(heads, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
             path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size,
-                              elapsed_s=round(time.time() - t0, 1))
+                              elapsed_s=round(time.time() - t0, 1),
+                              recipe={"recipe": recipe, "finished": finished})
     close_loggers(loggers)
     if trainer.is_global_zero:
         log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))

@@ -15,6 +15,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+
 from tqdm.auto import tqdm
 
 from mtp_train.artifacts import (
@@ -83,4 +85,83 @@ def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: in
     publish_dir(tmp, out)
     shutil.rmtree(shards, ignore_errors=True)
     log.info("labels: %d steps from %d prompts, histogram of m* %s", len(ds), len(prompts), hist)
+    return manifest
+
+
+def greedy_path_labels(drafts: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor,
+                       answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """m* at every position of one row whose text is the backbone's own greedy output.
+
+    drafts (T, k): the heads' top-1 token per depth at each position, teacher-forced on the row;
+    ids (T,): the row; greedy (T,): the backbone's argmax at each position (the cache's `top`);
+    answer (T,) bool: positions whose token the backbone generated (the self-distilled answer).
+
+    A decoding step at position p commits the backbone's token g_p as x_{p+1}, and draft j (made
+    from h_p and x_{p+1..p+j}) is kept when it equals g_{p+j}. On a row where x_{p+1..p+j} are the
+    backbone's greedy tokens, the teacher-forced drafts are exactly the drafts decoding would make,
+    so m* = the number of leading j with drafts[p, j] == greedy[p + j]. Returns (positions (N,),
+    labels (N,)): positions whose tokens p+1..p+k+1 all lie in the answer and where x_{p+1} = g_p;
+    a position whose text leaves the greedy path before the first miss is dropped (its m* is unknown).
+    """
+    T, k = drafts.shape
+    n = T - k - 1  # positions p with tokens up to p + k + 1 inside the row
+    if n <= 0:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    p = torch.arange(n)
+    on_path = ids[p[:, None] + torch.arange(1, k + 2)] == greedy[p[:, None] + torch.arange(0, k + 1)]  # (n, k+1)
+    inside = answer[p[:, None] + torch.arange(1, k + 2)].all(-1)  # (n,)
+    hit = drafts[:n] == greedy[p[:, None] + torch.arange(1, k + 1)]  # (n, k): draft j vs g_{p+j}
+    lead = hit.long().cumprod(-1)  # 1 while every draft so far is kept
+    label = lead.sum(-1)  # (n,)
+    # draft j's inputs x_{p+1..p+j} must be greedy for it to be decoding's draft: every depth up to
+    # the first miss (label + 1 drafts, at most k) needs x_{p+1..p+label+1} on the path
+    need = torch.clamp(label + 1, max=k)
+    known = on_path.long().cumprod(-1).sum(-1) >= need
+    keep = inside & on_path[:, 0] & known
+    return p[keep], label[keep]
+
+
+@torch.no_grad()
+def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out: Path,
+                      identity: dict, batch_rows: int = 8) -> dict:
+    """Acceptance labels from the hidden-state cache: the self-distilled rows `first..` of `split`
+    (the backbone's own greedy answers) are drafted teacher-forced by `heads` (no backbone forward),
+    and every answer position on the greedy path gives one label (`greedy_path_labels`). Far more
+    labels than decoding prompts gives, in seconds instead of minutes; same dataset layout."""
+    import numpy as np
+    from datasets import Dataset
+
+    from mtp_train.targets import IGNORE
+
+    out = Path(out)
+    key = config_hash({"identity": identity, "source": "cache", "rows": len(rows) - first})
+    if (m := read_manifest(out)) is not None and m.get("config_hash") == key:
+        log.info("labels: %s is up to date", out)
+        return m
+    k, weight, embed = heads.k, heads.draft_weight(backbone.lm_head).float(), backbone.embed_tokens
+    cols = {"hidden": [], "head_probs": [], "label": [], "prompt": []}
+    for i in tqdm(range(first, len(rows)), desc="acceptance labels (cache)", unit="row", dynamic_ncols=True):
+        ids = torch.as_tensor(rows[i]["input_ids"], dtype=torch.long)
+        answer = torch.as_tensor(rows[i]["labels"]) != IGNORE  # labels[t] = ids[t] on answer tokens
+        hidden = torch.from_numpy(np.asarray(cache.row(split, i), dtype=np.float32))  # (T, d), cropped
+        greedy = torch.from_numpy(np.asarray(cache.stats(split, i)["top"]).astype(np.int64))  # (T,)
+        T = len(hidden)
+        ids, answer, hidden, greedy = ids[:T], answer[:T], hidden[:T], greedy[:T]
+        head_hidden = heads(hidden[None].to(weight.dtype), ids[None], embed)[0]  # (T, k, d)
+        prob, idx = torch.softmax(head_hidden.float() @ weight.T, -1).max(-1)  # (T, k) each
+        pos, label = greedy_path_labels(heads.to_tokens(idx), ids, greedy, answer)
+        cols["hidden"].append(hidden[pos].numpy())
+        cols["head_probs"].append(prob[pos].numpy())
+        cols["label"].append(label.numpy())
+        cols["prompt"].append(np.full(len(pos), i - first))
+    ds = Dataset.from_dict({n: np.concatenate(v) if v else np.zeros(0) for n, v in cols.items()})
+    hist = np.bincount(ds["label"][:], minlength=k + 1).tolist() if len(ds) else [0] * (k + 1)
+    manifest = {"stage": "clp-label", "config_hash": key, **identity, "source": "cache",
+                "n_prompts": len(rows) - first, "rows": len(ds), "label_histogram": hist, "k": k}
+    tmp = temp_dir_for(out)
+    ds.save_to_disk(str(tmp))
+    write_json_atomic(tmp / MANIFEST, manifest)
+    publish_dir(tmp, out)
+    log.info("labels: %d positions of %d self-distilled rows (from the cache), histogram of m* %s",
+             len(ds), len(rows) - first, hist)
     return manifest
