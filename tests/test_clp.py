@@ -185,5 +185,5 @@ def test_greedy_path_labels_match_the_definition_position_by_position(seed):
                          torch.randint(0, V, (T, k), generator=g))
     pos, label = greedy_path_labels(drafts, ids, greedy, answer)
     want = _slow_greedy_path_labels(drafts.tolist(), ids.tolist(), greedy.tolist(), answer.tolist())
-    assert dict(zip(pos.tolist(), label.tolist())) == want
+    assert dict(zip(pos.tolist(), label.tolist(), strict=True)) == want
     assert set(want.values()) == {0, 1, 2, 3}  # the draws exercise every label

@@ -112,7 +112,14 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     from mtp_train.artifacts import file_sha256, read_json, read_manifest
-    from mtp_train.clp import CLP_FILE, CLP_META, build_predictor, class_weights, count_parameters, save_predictor
+    from mtp_train.clp import (
+        CLP_FILE,
+        CLP_META,
+        build_predictor,
+        class_weights,
+        count_parameters,
+        save_predictor,
+    )
     from mtp_train.lit.clp import SpanFitModule
 
     labels_dir = out / "labels"

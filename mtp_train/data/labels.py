@@ -16,7 +16,6 @@ import shutil
 from pathlib import Path
 
 import torch
-
 from tqdm.auto import tqdm
 
 from mtp_train.artifacts import (
