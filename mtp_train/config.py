@@ -105,9 +105,13 @@ class HeadsConfig:
     lm_head: str = "shared"  # shared (frozen, the backbone's) | copy (trainable)
     # score only the N most frequent training tokens (None = the whole vocabulary): see heads/vocab.py
     draft_vocab: int | None = None
+    # chained: each module's block starts as a copy of the backbone's last layer (copy_last) or from
+    # the architecture's own random init (random: the block then starts close to identity)
+    init: str = "copy_last"
 
     def __post_init__(self) -> None:
         _choice(self.type, HEAD_TYPES, "heads.type")
+        _choice(self.init, ("copy_last", "random"), "heads.init")
         _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
         _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
         _choice(self.lm_head, ("shared", "copy"), "heads.lm_head")
@@ -205,9 +209,11 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     num_workers: int = 0
     use_cache: bool = True  # read hidden states from `mtp-prep stage=cache` when it matches
+    data_fraction: float = 1.0  # train on the first fraction of the training rows (scaling curves)
 
     def __post_init__(self) -> None:
         _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")
+        _check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
         _check(self.batch_size > 0, "train.batch_size", "must be > 0")
         _check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
         _check(self.lr > 0, "train.lr", "must be > 0")

@@ -171,3 +171,15 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
     (tmp_path / "heads.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="hidden_size=576"):
         load_heads(tmp_path, tiny_backbone)
+
+
+@pytest.mark.parametrize("init", ["copy_last", "random"])
+def test_chained_blocks_start_as_the_backbones_last_layer_or_from_random_init(tiny_backbone, init):
+    from mtp_train.heads import build_heads
+
+    torch.manual_seed(0)
+    heads = build_heads(HeadsConfig(type="chained", k=2, init=init), tiny_backbone)
+    last = tiny_backbone.model.base_model.layers[-1].state_dict()
+    for block in heads.blocks:
+        same = [torch.equal(block.layers[0].state_dict()[n], t) for n, t in last.items() if t.dim() == 2]
+        assert same and all(same) == (init == "copy_last") and (any(same) is (init == "copy_last"))

@@ -214,3 +214,20 @@ def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
                     "trainer.precision=bf16-mixed", "trainer.fast_dev_run=true")
     metrics = run_train(cfg)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg, tmp_path):
+    from mtp_train.cli.prep import data_dirs
+    from mtp_train.lit.data import load_splits
+
+    run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=1", f"paths.output_dir={tmp_path}/all"))
+    cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=1", "train.data_fraction=0.25",
+                    f"paths.output_dir={tmp_path}/quarter")
+    run_train(cfg)
+    full = json.loads((tmp_path / "all" / "heads.json").read_text())["recipe"]
+    quarter = json.loads((tmp_path / "quarter" / "heads.json").read_text())["recipe"]
+    rows = load_splits(data_dirs(cfg))["train"]["input_ids"]
+    n = round(0.25 * len(rows))
+    assert quarter["train_rows"] == n and full["train_rows"] == len(rows)
+    crop = cfg.train.max_length or cfg.data.max_length
+    assert quarter["train_tokens"] == sum(min(len(r), crop) for r in rows[:n]) < full["train_tokens"]

@@ -271,7 +271,8 @@ def run_train(cfg: Config) -> dict:
     pad = backbone.tokenizer.pad_token_id
     cache = open_cache(cfg, backbone)
     dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
-                       max_length, cfg.train.num_workers, cfg.seed, cache=cache)
+                       max_length, cfg.train.num_workers, cfg.seed, cache=cache,
+                       data_fraction=cfg.train.data_fraction)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
     ckpt_dir = run_dir / "checkpoints"
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
@@ -292,7 +293,9 @@ def run_train(cfg: Config) -> dict:
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
             path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size,
                               elapsed_s=round(time.time() - t0, 1),
-                              recipe={"recipe": recipe, "finished": finished})
+                              recipe={"recipe": recipe, "finished": finished,
+                                      "train_rows": len(dm.splits["train"]), "train_tokens": dm.train_tokens,
+                                      "steps": trainer.global_step})
     close_loggers(loggers)
     if trainer.is_global_zero:
         log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))

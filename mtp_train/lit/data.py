@@ -128,20 +128,28 @@ class RankSlice(Sampler):
 
 class MTPDataModule(L.LightningDataModule):
     def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
-                 num_workers: int = 0, seed: int = 0, cache=None):
+                 num_workers: int = 0, seed: int = 0, cache=None, data_fraction: float = 1.0):
         super().__init__()
         self.cache = cache  # a HiddenCache: batches then carry "hidden" and the backbone is skipped
         self.dirs, self.batch_size, self.num_workers, self.seed = dirs, batch_size, num_workers, seed
         self.collate = Collator(pad_id, max_length)
+        self.max_length, self.data_fraction = max_length, data_fraction
         self.splits = None
+        self.train_tokens = None  # tokens of the training rows in use, as cropped (set by setup)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
-            self.splits = load_splits(self.dirs)
-            if len(self.splits["train"]) == 0:
+            splits = load_splits(self.dirs)
+            if len(splits["train"]) == 0:
                 raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
+            n = max(1, round(self.data_fraction * len(splits["train"])))
+            lengths = [min(len(r), self.max_length) for r in splits["train"]["input_ids"][:n]]
+            self.train_tokens = sum(lengths)
             if self.cache is not None:
-                self.splits = {s: CachedRows(d, self.cache, s) for s, d in self.splits.items()}
+                splits = {s: CachedRows(d, self.cache, s) for s, d in splits.items()}
+            if n < len(splits["train"]):  # the first rows (the cache is indexed by the full split)
+                splits["train"] = torch.utils.data.Subset(splits["train"], range(n))
+            self.splits = splits
 
     def _rank_world(self) -> tuple[int, int]:
         """This process's place among the data-parallel ranks (0 of 1 outside a Trainer)."""

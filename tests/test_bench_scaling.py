@@ -1,0 +1,47 @@
+"""bench/scaling.py on the tiny backbone: every point trained, measured and plotted, resumable."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def test_scaling_curve_points_fit_and_plot(tmp_path, monkeypatch):
+    import scaling
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--out", str(tmp_path / "curve"), "--fractions", "0.5,1", "--prompts", "1",
+            f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "trainer.max_steps=3",
+            "trainer.val_check_interval=3", "trainer.enable_progress_bar=false", "heads.k=2",
+            "eval.max_new_tokens=8", "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4"]
+    assert scaling.main(args) == 0
+    out = json.loads((tmp_path / "curve" / "scaling.json").read_text())
+    points = out["points"]
+    assert [(p["source"], p["fraction"]) for p in points] == [
+        ("labelled", 0.5), ("labelled", 1.0), ("distilled", 0.5), ("distilled", 1.0)]
+    for a, b in (points[:2], points[2:]):
+        assert 0 < a["train_tokens"] < b["train_tokens"] and a["train_rows"] < b["train_rows"]
+    assert all(p["steps"] == 3 and p["identical_to_greedy"] and p["tau"] >= 1.0 for p in points)
+    assert set(out["fits"]) == {"labelled", "distilled"}
+    assert (tmp_path / "curve" / "scaling.png").stat().st_size > 0
+    assert "| distilled | 1 |" in (tmp_path / "curve" / "scaling.md").read_text()
+
+
+@pytest.mark.parametrize("taus,slope", [([1.2, 1.4], True), ([1.3, 1.3], False)])
+def test_log_fit_recovers_a_known_line(taus, slope):
+    import math
+
+    import scaling
+
+    pts = [{"train_tokens": 1000, "tau": taus[0]}, {"train_tokens": 4000, "tau": taus[1]}]
+    fit = scaling.log_fit(pts)
+    assert fit["b"] == pytest.approx((taus[1] - taus[0]) / math.log(4))
+    if slope:  # tau = 1.2 + 0.2 * log4(tokens / 1000): 1.9 at 1000 * 4 ** 3.5
+        assert fit["tokens_for_target"] == pytest.approx(1000 * 4 ** 3.5, rel=1e-6)
+    else:
+        assert fit["tokens_for_target"] is None
