@@ -107,7 +107,7 @@ class HeadsConfig:
     draft_vocab: int | None = None
     # chained: each module's block starts as a copy of the backbone's last layer (copy_last) or from
     # the architecture's own random init (random: the block then starts close to identity)
-    init: str = "copy_last"
+    init: str = "random"
 
     def __post_init__(self) -> None:
         _choice(self.type, HEAD_TYPES, "heads.type")

@@ -43,7 +43,7 @@ def test_default_is_the_demo_on_smollm2_and_sharegpt(typed_cfg):
     cfg = typed_cfg()
     assert cfg.experiment_name == "smollm2_demo"
     assert (cfg.backbone.source, cfg.data.source) == ("gguf", "sharegpt")
-    assert cfg.heads.type == "chained" and cfg.loss.name == "e2e_tv"
+    assert cfg.heads.type == "chained" and cfg.loss.name == "kl" and cfg.heads.init == "random"
 
 
 def test_tiny_backbone_brings_its_own_data(typed_cfg):
