@@ -20,6 +20,36 @@ from mtp_train.artifacts import read_json as _json
 from mtp_train.errors import MtpError
 
 REPORT = "report.md"
+# issue 7's targets on SmolLM2 (held-out prompts, 128 new tokens, the whole demo within 30 minutes)
+TARGETS = {"verify_speedup": 1.4, "verify_tau": 1.9, "clp_speedup": 1.4, "minutes": 30.0}
+DEFAULT_BOUNDS = {"max_repetition_increase": 0.02, "max_nll_increase": 0.10}
+
+
+def target_rows(report: dict | None, total_s: float | None, bounds: dict | None = None) -> list[tuple]:
+    """(what, target, measured, met) for each target the run has the figures for."""
+    b = {**DEFAULT_BOUNDS, **(bounds or {})}
+    modes = (report or {}).get("modes", {})
+    rows = []
+    if v := modes.get("verify"):
+        same = v.get("identical_to_greedy")
+        rows.append(("verify: speedup vs HF generate, identical output", f">= {TARGETS['verify_speedup']}x",
+                     f"{v['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical"),
+                     bool(same) and v["speedup_vs_hf"] >= TARGETS["verify_speedup"]))
+        rows.append(("verify: tau", f">= {TARGETS['verify_tau']}", f"{v['tau']:.2f}", v["tau"] >= TARGETS["verify_tau"]))
+    ref = modes.get("greedy") or modes.get("hf_generate")
+    if (c := modes.get("clp")) and ref:
+        d_rep = c["repetition_ratio"] - ref["repetition_ratio"]
+        d_nll = c["backbone_nll"] - ref["backbone_nll"]
+        within = d_rep <= b["max_repetition_increase"] + 1e-9 and d_nll <= b["max_nll_increase"] + 1e-9
+        rows.append(("clp: speedup within its quality bounds",
+                     f">= {TARGETS['clp_speedup']}x, repetition <= greedy + {b['max_repetition_increase']}, "
+                     f"NLL <= greedy + {b['max_nll_increase']}",
+                     f"{c['speedup_vs_hf']:.2f}x, repetition {d_rep:+.3f}, NLL {d_nll:+.3f} (tau {c['tau']:.2f})",
+                     within and c["speedup_vs_hf"] >= TARGETS["clp_speedup"]))
+    if total_s:
+        rows.append(("the whole demo", f"<= {TARGETS['minutes']:.0f} min", _minutes(total_s),
+                     total_s <= 60 * TARGETS["minutes"]))
+    return rows
 
 
 def _fmt(x, nd: int = 3) -> str:
@@ -140,6 +170,11 @@ def write_report(run_root: str | Path) -> Path:
     md += [f"| {k} | {_minutes(v)} |" for k, v in times.items()]
     total = sum(v for v in times.values() if v)
     md += [f"| total | {_minutes(total)} |", ""]
+    bounds = (_json(clp / "clp" / "clp.json") or {}).get("bounds")
+    if rows := target_rows(report, total, bounds):
+        md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
+        md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
+        md.append("")
 
     png = training_curves(train, root / "training_curves.png") if heads else None
     if png:
@@ -198,9 +233,12 @@ def summary(run_root: str | Path) -> str:
     report = _json(Path(run_root) / "eval" / "eval_report.json")
     if not report:
         return "no evaluation yet"
-    return "\n".join(f"  {mode:<12} {r['speedup_vs_hf']:.2f}x  tau {r['tau']:.2f}  "
-                     f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}"
-                     for mode, r in report["modes"].items())
+    lines = [f"  {mode:<12} {r['speedup_vs_hf']:.2f}x  tau {r['tau']:.2f}  "
+             f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}" for mode, r in report["modes"].items()]
+    bounds = (_json(Path(run_root) / "clp" / "clp" / "clp.json") or {}).get("bounds")
+    lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"
+              for what, want, got, met in target_rows(report, None, bounds)]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -272,3 +272,20 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
     assert {key: from_cache[key] for key in decoded} == decoded
     assert len(from_cache) > len(decoded)  # and the cache labels every position, not only steps
     assert sum(m["label_histogram"]) == len(ds) and len(set(decoded.values())) > 1
+
+
+def test_report_targets_say_met_only_when_every_condition_holds():
+    from mtp_train.report import target_rows
+
+    def mode(speed, tau, rep=0.2, nll=0.6, same=True):
+        return {"speedup_vs_hf": speed, "tau": tau, "repetition_ratio": rep, "backbone_nll": nll,
+                "identical_to_greedy": same}
+
+    good = {"modes": {"greedy": mode(1.0, 1.0), "verify": mode(1.5, 2.0), "clp": mode(1.45, 1.8, 0.21, 0.65)}}
+    assert [met for *_, met in target_rows(good, 29 * 60)] == [True, True, True, True]
+    bad = {"modes": {"greedy": mode(1.0, 1.0), "verify": mode(1.5, 2.0, same=False),
+                     "clp": mode(1.6, 1.9, 0.25, 0.65)}}  # lossy "verify"; clp repeats +0.05
+    rows = target_rows(bad, 31 * 60)
+    assert [met for *_, met in rows] == [False, True, False, False]
+    assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2]
+    assert target_rows(bad, None, {"max_repetition_increase": 0.06})[2][3] is True  # the run's own bounds

@@ -1,4 +1,4 @@
-"""bench/scaling.py on the tiny backbone: every point trained, measured and plotted, resumable."""
+"""bench/scaling.py and bench/recipes.py on the tiny backbone: every point trained, measured, reported."""
 
 from __future__ import annotations
 
@@ -45,3 +45,20 @@ def test_log_fit_recovers_a_known_line(taus, slope):
         assert fit["tokens_for_target"] == pytest.approx(1000 * 4 ** 3.5, rel=1e-6)
     else:
         assert fit["tokens_for_target"] is None
+
+
+def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypatch):
+    import recipes
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--out", str(tmp_path / "rec"), "--steps", "2", "--only", "kl_random,medusa_kl_lr3e-3",
+            f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "heads.k=2",
+            "trainer.enable_progress_bar=false", "data.distill.max_train_prompts=16",
+            "data.distill.max_val_prompts=4"]
+    assert recipes.main(args) == 0
+    rows = json.loads((tmp_path / "rec" / "recipes.json").read_text())
+    assert {r["recipe"] for r in rows} == {"kl_random", "medusa_kl_lr3e-3"}
+    assert rows[0]["sim_tau"] >= rows[1]["sim_tau"] and all(r["steps"] == 2 for r in rows)
+    assert json.loads((tmp_path / "rec" / "medusa_kl_lr3e-3" / "heads.json").read_text())["head_type"] == "medusa"
+    with pytest.raises(SystemExit):
+        recipes.main(["--only", "nonsense"])

@@ -1,0 +1,79 @@
+"""Recipe comparison: the same data, steps and batches for each candidate recipe; validation sim_tau,
+per-depth agreement and wall time side by side (the table behind the demo's choice, README "Results").
+
+    python bench/recipes.py                           # the demo's data and cache, 80 steps a recipe
+    python bench/recipes.py --steps 200 --out runs/recipes_200
+    python bench/recipes.py --only kl_random,medusa_kl backbone=tiny   # any Hydra override after the flags
+
+Each recipe trains in <out>/<name>/ (a rerun skips finished ones: mtp-train's own recipe check).
+Writes <out>/recipes.{json,md} and prints the table, best first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from mtp_train.cli.common import CONF_DIR
+from mtp_train.config import validate
+
+# name -> overrides on top of the demo experiment
+RECIPES = {
+    "kl_random": ["loss=kl", "heads.init=random"],
+    "kl_random_lr3e-3": ["loss=kl", "heads.init=random", "train.lr=3e-3"],
+    "e2e_tv_random": ["loss=e2e_tv", "heads.init=random"],
+    "kl_copy_last": ["loss=kl", "heads.init=copy_last"],
+    "kl_copy_last_lr3e-3": ["loss=kl", "heads.init=copy_last", "train.lr=3e-3"],
+    "ce_copy_last": ["loss=ce", "heads.init=copy_last"],
+    "e2e_tv_copy_last": ["loss=e2e_tv", "heads.init=copy_last"],
+    "medusa_kl_lr3e-3": ["heads=medusa", "loss=kl", "train.lr=3e-3"],
+}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/recipes")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--only", default=None, help="comma-separated recipe names (default: all)")
+    args, overrides = ap.parse_known_args(argv)
+    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.cli.train import run_train
+
+    names = args.only.split(",") if args.only else list(RECIPES)
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
+    out = Path(args.out)
+    rows = []
+    for name in names:
+        run = out / name
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = validate(compose("config", overrides=[
+                "logger=csv", *overrides, *RECIPES[name], f"trainer.max_steps={args.steps}",
+                f"trainer.val_check_interval={max(1, args.steps // 2)}", f"paths.output_dir={run}"]))
+        metrics = run_train(cfg)
+        meta = json.loads((run / "heads.json").read_text())
+        rows.append({"recipe": name, "overrides": RECIPES[name], "sim_tau": metrics["val/sim_tau"],
+                     "agree": [metrics.get(f"val/agree_d{j}") for j in range(1, meta["k"] + 1)],
+                     "train_s": meta["run"]["elapsed_s"], "steps": meta["recipe"]["steps"],
+                     "train_tokens": meta["recipe"]["train_tokens"]})
+    rows.sort(key=lambda r: -r["sim_tau"])
+    lines = [f"{args.steps} steps each on {rows[0]['train_tokens']:,} training tokens",
+             "", "| recipe | overrides | val sim_tau | agree per depth | train wall |", "|---|---|---|---|---|"]
+    lines += [f"| {r['recipe']} | `{' '.join(r['overrides'])}` | {r['sim_tau']:.3f} | "
+              + " / ".join(f"{a:.3f}" for a in r["agree"]) + f" | {r['train_s']:.0f} s |" for r in rows]
+    write_json_atomic(out / "recipes.json", rows)
+    (out / "recipes.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    sys.exit(main(sys.argv[1:]))
