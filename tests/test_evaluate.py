@@ -135,7 +135,7 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     from mtp_train.cli.clp import run_clp
 
     root = trained_heads
-    clp_args = ["clp.n_prompts=6", "clp.shard_prompts=3", "clp.max_new_tokens=16", "clp.epochs=3",
+    clp_args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=3", "clp.max_new_tokens=16", "clp.epochs=3",
                 "clp.calib_prompts=2", "clp.taus=[0.9,0.5]", "eval.max_new_tokens=12",
                 f"clp.heads={root}/train"]
     cfg = _eval_cfg(root, *clp_args, f"paths.output_dir={root}/clp")

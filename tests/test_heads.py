@@ -74,8 +74,8 @@ def test_chained_module_j_reads_token_t_plus_j_and_is_causal(tiny_backbone):
         assert diff[p - j] > 0, j  # position p - j reads x_p at depth j
 
 
-def test_chained_starts_from_the_backbones_last_layer(tiny_backbone):
-    heads = build_heads(HeadsConfig(type="chained", k=2), tiny_backbone)
+def test_chained_copy_last_starts_from_the_backbones_last_layer(tiny_backbone):
+    heads = build_heads(HeadsConfig(type="chained", k=2, init="copy_last"), tiny_backbone)
     last = tiny_backbone.model.base_model.layers[-1].state_dict()
     for blk in heads.blocks:
         for name, t in blk.layers[0].state_dict().items():

@@ -264,7 +264,9 @@ def run_train(cfg: Config) -> dict:
     max_length = cfg.train.max_length or cfg.data.max_length
     if cfg.heads.k >= max_length - 1:
         raise ConfigError(f"heads.k: {cfg.heads.k} leaves no target in rows of {max_length} tokens")
-    heads = build_heads(cfg.heads, backbone, draft_ids=draft_vocab_for(cfg, backbone))
+    draft_ids = draft_vocab_for(cfg, backbone)
+    torch.manual_seed(cfg.seed)  # the heads' init must not depend on what preparation drew before
+    heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids)
     n = count_parameters(heads)
     log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen)", cfg.heads.type,
              cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()):,}")
