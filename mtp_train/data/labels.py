@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 PLAN = "plan.json"
 
 
+def publish_labels(ds, manifest: dict, out: Path) -> None:
+    """The labels dataset and its manifest, written under a temporary name and moved into place."""
+    tmp = temp_dir_for(out)
+    ds.save_to_disk(str(tmp))
+    write_json_atomic(tmp / MANIFEST, manifest)
+    publish_dir(tmp, out)
+
+
 def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: int, shard_prompts: int,
                 identity: dict) -> dict:
     """Decode `prompts` with `decoder` (verify mode, recording) into a labels dataset at `out`.
@@ -78,10 +86,7 @@ def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: in
         hist[label] += 1
     manifest = {"stage": "clp-label", "config_hash": key, **identity, "n_prompts": len(prompts),
                 "rows": len(ds), "label_histogram": hist, "k": k}
-    tmp = temp_dir_for(out)
-    ds.save_to_disk(str(tmp))
-    write_json_atomic(tmp / MANIFEST, manifest)
-    publish_dir(tmp, out)
+    publish_labels(ds, manifest, out)
     shutil.rmtree(shards, ignore_errors=True)
     log.info("labels: %d steps from %d prompts, histogram of m* %s", len(ds), len(prompts), hist)
     return manifest
@@ -122,7 +127,7 @@ def greedy_path_labels(drafts: torch.Tensor, ids: torch.Tensor, greedy: torch.Te
 
 @torch.no_grad()
 def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out: Path,
-                      identity: dict, batch_rows: int = 8) -> dict:
+                      identity: dict) -> dict:
     """Acceptance labels from the hidden-state cache: the self-distilled rows `first..` of `split`
     (the backbone's own greedy answers) are drafted teacher-forced by `heads` (no backbone forward),
     and every answer position on the greedy path gives one label (`greedy_path_labels`). Far more
@@ -157,10 +162,7 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
     hist = np.bincount(ds["label"][:], minlength=k + 1).tolist() if len(ds) else [0] * (k + 1)
     manifest = {"stage": "clp-label", "config_hash": key, **identity, "source": "cache",
                 "n_prompts": len(rows) - first, "rows": len(ds), "label_histogram": hist, "k": k}
-    tmp = temp_dir_for(out)
-    ds.save_to_disk(str(tmp))
-    write_json_atomic(tmp / MANIFEST, manifest)
-    publish_dir(tmp, out)
+    publish_labels(ds, manifest, out)
     log.info("labels: %d positions of %d self-distilled rows (from the cache), histogram of m* %s",
              len(ds), len(rows) - first, hist)
     return manifest
