@@ -222,6 +222,7 @@ class TrainConfig:
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
 
 
+PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source
 DECODE_MODES = ("greedy", "verify", "relaxed", "clp", "gate", "clp+verify", "adaptive")
 
 
@@ -270,12 +271,14 @@ class EvalConfig:
     heads: str | None = None  # directory with heads.safetensors + heads.json (an mtp-train run)
     clp: str | None = None  # an mtp-clp predictor directory (<run>/clp), for modes clp and clp+verify
     gate: str | None = None  # the gate baseline's directory (<run>/gate), for mode gate
-    prompts: str | None = None  # JSONL with {"prompt": ...} rows; None = the held-out split
+    prompts: str | None = None  # JSONL with {"prompt": ...} rows; None = eval.prompt_source
+    prompt_source: str = "validation"  # without eval.prompts: validation (held-out split) | unseen
     n_prompts: int | None = 8  # first N prompts (None = all)
     max_new_tokens: int = 128
     max_prompt_tokens: int = 1024  # longer prompts are skipped (counted in the report)
     modes: list[str] = field(default_factory=lambda: ["greedy", "verify"])
     warmup: int = 1  # prompts decoded once per mode before timing
+    rounds: int = 3  # timing rounds (modes in a rotating order); speedups are the median over rounds
     delta: float = 0.3  # relaxed: keep d_i while p(d_i) >= delta * max p ...
     budget: float = 1.0  # ... and the summed log-prob drift stays <= budget (0 = verify)
     adaptive_policy: str = "cost"  # cost | entropy
@@ -292,6 +295,11 @@ class EvalConfig:
         _check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0")
         _check(self.max_prompt_tokens > 0, "eval.max_prompt_tokens", "must be > 0")
         _check(self.warmup >= 0, "eval.warmup", "must be >= 0")
+        _check(self.rounds >= 1, "eval.rounds", f"must be >= 1, got {self.rounds}")
+        _choice(self.prompt_source, PROMPT_SOURCES, "eval.prompt_source")
+        _check(self.prompt_source == "validation" or not self.prompts, "eval.prompt_source",
+               f"{self.prompt_source} reads the data source; it cannot be combined with eval.prompts "
+               "(set eval.prompts=null or eval.prompt_source=validation)")
         _check(0 < self.delta <= 1, "eval.delta", "must be in (0, 1]")
         _check(self.budget >= 0, "eval.budget", "must be >= 0")
         _choice(self.adaptive_policy, ("cost", "entropy"), "eval.adaptive_policy")

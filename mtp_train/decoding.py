@@ -1,43 +1,46 @@
 """The bundled decoder: batch-size-1, KV-cached, "the backbone makes the next token, the heads draft
-the k after it" (Backbone-as-Architect). Plain torch + transformers; no Lightning, no Hydra.
+the ones after it" (Backbone-as-Architect). Plain torch + transformers; no Lightning, no Hydra.
 
-One step of every drafting mode, with x the last committed token (made by the backbone, not yet fed
-to it) and p the position of the last backbone hidden state:
+One step, with x the last committed token (made by the backbone, not yet fed to it) and p the
+position of the last backbone hidden state:
 
-    1. the heads draft d_1..d_n at p (n <= k; chained modules run sequentially, each reading the
-       token the previous one drafted; Medusa heads in one matmul)
-    2. the backbone reads [x, d_1..d_n] in one forward (its cache grows by 1 + n), giving its greedy
-       token g_i after each of them
-    3. the mode decides how many drafts a to keep; the cache is cropped back to the kept tokens and
-       the commit is x's successors d_1..d_a plus a backbone token (g_a for verify and relaxed)
+    1. plan    what to draft: nothing (greedy), a chain of n drafts, a static tree shape or a
+               dynamic tree (`_plan`)
+    2. draft   the heads draft a tree of nodes under x, level by level (`draft_tree`; a chain is the
+               one-branch tree)
+    3. verify  the backbone reads [x, nodes] in one forward: each node attends to the cached prefix,
+               x and its own ancestors, at position N - 1 + depth (`_verify`; a chain is a plain
+               causal forward)
+    4. accept  the mode picks the path to keep (`_accept`): verify follows, from x, the child whose
+               token equals the backbone's greedy choice (lossless); relaxed and clp keep a prefix of
+               a chain
+    5. commit  the kept path plus the backbone's token after it are committed; the KV rows of the
+               kept path are compacted into place (every layer), so the cache equals what sequential
+               greedy decoding would hold (`_commit`)
 
-Modes (ALGORITHMS.md, "Decoding modes"):
-    greedy     our own one-token loop (the reference; n = 0 every step)
-    verify     a = longest prefix with d_i == g_{i-1}: output identical to greedy
-    relaxed    keep d_i while p(d_i) >= delta * max p and the chain's summed log-prob drift
+Modes (docs/decoding.md):
+    greedy     our own one-token loop (the reference)
+    verify     lossless verification of a chain of k drafts, or of `tree=` (a TreeShape: static,
+               Medusa-style; a DynamicTree: EAGLE-2-style): output identical to greedy
+    relaxed    keep chain draft d_i while p(d_i) >= delta * max p and the summed log-prob drift
                sum_i (log max p - log p(d_i)) stays <= budget; budget 0 is verify
-    clp        a span-length policy chooses a = m from the backbone state before the forward and the
-               backbone reads only [x, d_1..d_m]: no verification (lossy), a forward of m + 1 tokens;
-               a policy that reads only h_p (no head probabilities) is asked before drafting, so
-               only m heads run
-    clp+verify the policy's m caps how many drafts go to verification (lossless, fewer wasted
-               verify tokens)
-    adaptive   verify with n chosen per step: policy "cost" maximises expected committed tokens per
-               second from running per-depth acceptance and the measured forward cost of n + 1
-               tokens; policy "entropy" drafts deeper where the backbone's running entropy is low
+    clp        a span-length policy picks m drafts to commit unverified (lossy); a policy that reads
+               only h_p is asked before drafting, so only m heads run
+    clp+verify the policy's m caps how many chain drafts go to verification (lossless)
+    adaptive   verify with the tree chosen per step by a policy: `CostPolicy` (expected committed
+               tokens per unit of measured step cost, from running acceptance) or `EntropyPolicy`
+               (EntMTP: the tree grown for the backbone's current entropy bucket)
 
-Chained MTP modules keep one KV cache each. Module j at position s reads token x_{s+j}, so after a
-step that kept a drafts its entries are exact (as in teacher-forced training) up to position
-N - 1 + a - j, N the committed length before the step; the rest are cropped and recomputed next step
-(at most j positions per module per step).
-
-Stopping is HF `generate`'s: after max_new_tokens, or on an end-of-sequence token, which is kept.
+Chained MTP modules keep one KV cache each holding only rows whose inputs are committed; tree rows
+are scratch and are cropped after the step (`ChainedDrafter`). Stopping is HF `generate`'s: after
+max_new_tokens, or on an end-of-sequence token, which is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 import types
 from dataclasses import dataclass, field
@@ -45,6 +48,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mtp_train.trees import DraftTree, TreeShape, greedy_accept, tree_attention_mask
 
 MODES = ("greedy", "verify", "relaxed", "clp", "clp+verify", "adaptive")
 
@@ -54,16 +59,18 @@ class DecodeResult:
     tokens: list[int]  # the new tokens (EOS included when it stopped there)
     steps: int = 0  # backbone forwards after the prefill
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step (>= 1)
-    reached: list[int] = field(default_factory=list)  # per depth: steps whose chain got to depth j
-    accepted: list[int] = field(default_factory=list)  # per depth: steps that kept depth j's draft
-    drafted: list[int] = field(default_factory=list)  # heads run per step
+    reached: list[int] = field(default_factory=list)  # per depth: steps whose accepted path got to depth j-1
+    accepted: list[int] = field(default_factory=list)  # per depth: steps that kept a depth-j draft
+    drafted: list[int] = field(default_factory=list)  # draft nodes verified per step
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stopped: str = "length"  # "eos" | "length"
     cache_length: int = 0  # the backbone's KV cache at the end: prompt + committed - 1
-    trace: list[tuple[int, list[int], int]] | None = None  # (position p, drafts, kept) per step
-    # record=True: per step that drafted all k heads, (h_p (d,), the heads' top-1 probs (k,), kept):
-    # CLP's acceptance labels when the mode is verify (kept = leading drafts equal to greedy)
+    # trace=True: per step (position p, tree tokens, tree parents, accepted node indices, the nodes'
+    # rank paths when the tree was static)
+    trace: list[tuple] | None = None
+    # record=True: per step that drafted a chain of all k heads, (h_p (d,), the heads' top-1 probs
+    # (k,), kept): CLP's acceptance labels when the mode is verify
     records: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
 
     @property
@@ -71,47 +78,101 @@ class DecodeResult:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2-style: at each level expand the `width` best frontier nodes (cumulative draft
+    log-probability) into their `topk` candidates each, then keep the best `nodes` overall."""
+
+    nodes: int = 16
+    topk: int = 4
+    width: int = 4
+    depth: int | None = None  # None = every head
+
+    def label(self) -> str:
+        return f"dynamic{self.nodes}"
+
+
 # ---------------------------------------------------------------------------------------------------
-# small-batch matmuls: decoding multiplies every weight by 1..k+1 rows. With MKL on these CPUs,
-# F.linear (x @ W^T) costs about m times its one-row cost for m = 2..8 rows, while W @ x^T (the
-# weight as the left operand) stays flat: 4 rows through SmolLM2's LM head take 34 ms one way and
-# 7.5 ms the other (bench/decode.py prints the resulting step cost). Verification is only cheap if
-# k+1 tokens cost little more than 1, so the decoder routes small-batch linears through W @ x^T.
-
-SMALL_ROWS = 16
+# matmul layout, chosen by timing it on this machine
 
 
-def small_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (m, d) @ weight (n, d)^T for small m, computed as (weight @ x^T)^T (one row: F.linear,
-    which is as fast there)."""
-    if x.shape[0] == 1:
-        return F.linear(x, weight)
-    return torch.mm(weight, x.T).T
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows > SMALL_ROWS or rows == 1 or x.requires_grad or x.dim() < 2:
-        return F.linear(x, self.weight, self.bias)
-    y = small_mm(x.reshape(rows, x.shape[-1]), self.weight).contiguous()  # callers .view() it
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], self.weight.shape[0])
+class MatmulPlan:
+    """For each weight shape and dtype the decoder multiplies, and each row-count bucket, which of
+    `F.linear` (x @ W^T) and `W @ x^T` is faster here. On an AVX2 EPYC with this torch's MKL the
+    first costs about rows x its one-row cost for 2-8 rows while the second stays flat; on an
+    AVX-512/AMX Xeon it is the other way round (docs/decoding.md). `MatmulPlan.measure` times both,
+    interleaved, medians of `reps`; an unmeasured shape uses F.linear."""
+
+    def __init__(self, choices: dict | None = None):
+        self.choices: dict[tuple, list[bool]] = choices or {}  # key -> per bucket: use W @ x^T
+
+    @staticmethod
+    def key(weight: torch.Tensor) -> tuple:
+        return (tuple(weight.shape), str(weight.dtype), weight.device.type)
+
+    @classmethod
+    def measure(cls, weights, reps: int = 5, buckets=ROW_BUCKETS) -> MatmulPlan:
+        plan = cls()
+        with torch.inference_mode():
+            for w in weights:
+                key = cls.key(w)
+                if key in plan.choices or w.dim() != 2:
+                    continue
+                use_t = []
+                for rows in buckets:
+                    x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+                    times = {False: [], True: []}
+                    for r in range(reps + 1):  # the first round warms up and is dropped
+                        for t_first in ((False, True) if r % 2 else (True, False)):
+                            t0 = time.perf_counter()
+                            _ = torch.mm(w, x.T).T.contiguous() if t_first else F.linear(x, w)
+                            if r:
+                                times[t_first].append(time.perf_counter() - t0)
+                    use_t.append(rows > 1 and statistics.median(times[True]) < statistics.median(times[False]))
+                plan.choices[key] = use_t
+        return plan
+
+    def mm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., d) @ weight (n, d)^T (+ bias) in the layout measured faster for this many rows."""
+        rows = x.numel() // max(1, x.shape[-1])
+        choice = self.choices.get(self.key(weight))
+        if choice is None or rows == 1 or rows > ROW_BUCKETS[-1] or x.requires_grad:
+            return F.linear(x, weight, bias)
+        bucket = next(i for i, b in enumerate(ROW_BUCKETS) if b >= rows)
+        if not choice[bucket]:
+            return F.linear(x, weight, bias)
+        y = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T.contiguous()
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    def describe(self) -> dict:
+        return {f"{k[0][0]}x{k[0][1]} {k[1].replace('torch.', '')}":
+                "".join("T" if t else "L" for t in v) for k, v in self.choices.items()}
+
+
+def _routed_linear(self, x: torch.Tensor) -> torch.Tensor:
+    return self._mm_plan.mm(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
-def small_batch_linears(*modules: nn.Module):
-    """Within the block, every nn.Linear under `modules` uses `small_mm` for at most SMALL_ROWS rows."""
+def routed_linears(plan: MatmulPlan, *modules: nn.Module):
+    """Within the block, every nn.Linear under `modules` multiplies through `plan`."""
     patched = []
     for m in modules:
         for lin in (x for x in m.modules() if type(x) is nn.Linear):
-            lin.forward = types.MethodType(_small_batch_linear, lin)
+            lin._mm_plan = plan
+            lin.forward = types.MethodType(_routed_linear, lin)
             patched.append(lin)
     try:
         yield
     finally:
         for lin in patched:
             del lin.forward  # back to the class's forward
+            del lin._mm_plan
 
 
 def _crop_to(cache, length: int) -> None:
@@ -120,252 +181,472 @@ def _crop_to(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+def _keep_rows(cache, idx: torch.Tensor) -> None:
+    """Keep only the sequence rows `idx` of every layer's keys and values."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
 # ---------------------------------------------------------------------------------------------------
-# drafters: what the heads contribute at position p
+# drafters: what the heads propose under the last committed token. A drafter has `k`, `reset()`,
+# `begin(tokens, hidden)` once per step and `level(j, expand, tree)` -> log-probabilities (m, |D|)
+# of depth-j candidates under each node of `expand` (node indices, -1 = the root), plus `to_tokens`.
 
 
 class MedusaDrafter:
-    """Parallel heads: every depth reads the backbone's h_p; all k projections in one matmul."""
+    """Parallel heads: every depth reads the backbone's h_p, whatever the drafts above it, so one
+    matmul per step gives every depth's candidates."""
 
-    def __init__(self, heads, lm_head: nn.Module):
-        self.heads, self.k = heads, heads.k
+    def __init__(self, heads, lm_head: nn.Module, mm: MatmulPlan):
+        self.heads, self.k, self.mm = heads, heads.k, mm
         self.weight = None if heads.lm_heads is not None else heads.draft_weight(lm_head).detach().contiguous()
+        self.to_tokens = heads.to_tokens
 
     def reset(self) -> None:
         pass
 
-    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens (N,) committed, hidden (N - 1, d) backbone states -> n draft tokens (n,) and their
-        top-1 probabilities (n,)."""
-        h = hidden[-1]  # (d,)
-        hh = torch.stack([blk(h) for blk in self.heads.blocks[:n]])  # (n, d)
-        if self.weight is not None:
-            logits = small_mm(hh, self.weight)  # (n, |D|) one matmul for all depths
-        else:
-            logits = torch.stack([self.heads.lm_heads[j](hh[j]) for j in range(n)])
-        prob, idx = torch.softmax(logits.float(), -1).max(-1)  # (n,), (n,)
-        return self.heads.to_tokens(idx), prob
+    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._h, self._lp = hidden[-1], None
 
-    def commit(self, n_before: int, kept: int) -> None:
-        pass
+    def _all(self) -> torch.Tensor:
+        if self._lp is None:
+            hh = torch.stack([blk(self._h) for blk in self.heads.blocks])  # (k, d)
+            if self.weight is not None:
+                logits = self.mm.mm(hh, self.weight)  # (k, |D|)
+            else:
+                logits = torch.stack([self.heads.lm_heads[j](hh[j]) for j in range(self.k)])
+            self._lp = torch.log_softmax(logits.float(), -1)
+        return self._lp
+
+    def level(self, j: int, expand: list[int], tree: DraftTree) -> torch.Tensor:
+        return self._all()[j - 1].expand(len(expand), -1)
 
 
 class ChainedDrafter:
-    """Chained MTP modules with one KV cache each (see the module docstring for what stays valid)."""
+    """Chained MTP modules with one KV cache each.
 
-    def __init__(self, heads, lm_head: nn.Module, embed: nn.Module):
+    Module j at position s reads (h^{j-1}_s, token x_{s+j}). With p the last backbone position and
+    the root x_{p+1}, a tree node v at depth d corresponds, for module j, to position p + 1 + d - j
+    with input token(v) and, as h^{j-1}, module j-1's row for v's parent. Drafting level j runs module
+    j once over (a) the rows whose inputs are now committed (positions from its cache length up to
+    p + 1 - j; they stay in its cache) and (b) scratch rows for the nodes on the paths to the nodes
+    being expanded, attending to the prefix and their own ancestors only (a tree mask with explicit
+    positions); the scratch rows are cropped from the cache afterwards. Committed rows are exactly
+    what teacher-forced training computes; so are the scratch rows of any path whose drafts are all
+    the backbone's own tokens."""
+
+    def __init__(self, heads, lm_head: nn.Module, embed: nn.Module, mm: MatmulPlan):
         from transformers import DynamicCache
 
-        self.heads, self.k, self.embed = heads, heads.k, embed
+        self.heads, self.k, self.embed, self.mm = heads, heads.k, embed, mm
         self.weight = heads.draft_weight(lm_head).detach().contiguous()  # (|D|, d)
+        self.to_tokens = heads.to_tokens
         self._cache_cls = DynamicCache
         self.reset()
 
     def reset(self) -> None:
         self.caches = [self._cache_cls() for _ in range(self.k)]
-        self.states: list[torch.Tensor | None] = [None] * self.k  # module j's outputs, positions 0..
+        self.states: list[torch.Tensor | None] = [None] * self.k  # module j's committed rows 0..
 
-    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p = len(tokens) - 2  # the last position with a backbone state
-        seq = tokens
-        probs = []
-        prev = hidden  # (p + 1, d): depth j - 1's states at positions 0..p
-        for j in range(1, n + 1):
-            start = self.caches[j - 1].get_seq_length()  # positions < start are cached and exact
-            tok = seq[start + j: p + 1 + j]  # (m,) the tokens j ahead of positions start..p
-            out = self.heads.module_step(j, prev[start: p + 1][None], self.embed(tok)[None],
-                                         cache=self.caches[j - 1])[0]  # (m, d)
+    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.tokens, self.hidden, self.p = tokens, hidden, len(tokens) - 2
+        self.scratch: list[dict[int, torch.Tensor]] = [{} for _ in range(self.k)]
+
+    def level(self, j: int, expand: list[int], tree: DraftTree) -> torch.Tensor:
+        p, cache = self.p, self.caches[j - 1]
+        prev = self.hidden if j == 1 else self.states[j - 2]  # module j-1's committed rows
+        start, last = cache.get_seq_length(), p + 1 - j
+        n_c = max(0, last + 1 - start)
+        need = sorted({a for u in expand if u >= 0 for a in tree.path_to(u)})
+        scratch = [v for v in need if p + 1 + tree.depths[v] - j >= 0]
+        toks = [self.tokens[start + j: last + j + 1]] if n_c else []
+        if scratch:
+            toks.append(torch.tensor([tree.tokens[v] for v in scratch], device=self.tokens.device))
+        prev_rows = [prev[start: last + 1]] if n_c else []
+        prev_rows += [prev[p + 2 - j] if tree.parents[v] < 0 else self.scratch[j - 2][tree.parents[v]]
+                      for v in scratch]
+        x_prev = torch.cat([r if r.dim() == 2 else r[None] for r in prev_rows])  # (m, d)
+        emb = self.embed(torch.cat(toks))  # (m, d)
+        mask = pos = None
+        m = n_c + len(scratch)
+        positions = [*range(start, last + 1)] + [p + 1 + tree.depths[v] - j for v in scratch]
+        chain = all(tree.parents[v] == scratch[i - 1] for i, v in enumerate(scratch) if i)
+        if not (chain and positions == list(range(start, start + m))):  # else a plain causal forward
+            pos = torch.tensor(positions, device=emb.device)[None]
+            allow = torch.zeros(m, start + m, dtype=torch.bool)
+            allow[:, :start] = True
+            allow[:n_c, start: start + n_c] = torch.tril(torch.ones(n_c, n_c, dtype=torch.bool))
+            allow[n_c:, start: start + n_c] = True
+            where = {v: i for i, v in enumerate(scratch)}
+            for i, v in enumerate(scratch):
+                for a in tree.path_to(v):
+                    if a in where:
+                        allow[n_c + i, start + n_c + where[a]] = True
+            mask = torch.zeros(allow.shape, dtype=emb.dtype)
+            mask.masked_fill_(~allow, torch.finfo(emb.dtype).min)
+            mask = mask[None, None].to(emb.device)
+        out = self.heads.module_step(j, x_prev[None], emb[None], attention_mask=mask, cache=cache,
+                                     position_ids=pos)[0]  # (m, d)
+        _crop_to(cache, start + n_c)  # scratch rows never stay
+        if n_c:
             old = self.states[j - 1]
-            self.states[j - 1] = out if old is None or start == 0 else torch.cat([old[:start], out])
-            prob, idx = torch.softmax(small_mm(out[-1:], self.weight)[0].float(), -1).max(-1)
-            seq = torch.cat([seq, self.heads.to_tokens(idx)[None]])
-            probs.append(prob)
-            prev = self.states[j - 1]
-        return seq[len(tokens):], torch.stack(probs) if probs else torch.zeros(0)
-
-    def commit(self, n_before: int, kept: int) -> None:
-        """`n_before` committed tokens before the step, `kept` drafts kept: crop what read a rejected draft."""
-        for j in range(1, self.k + 1):
-            valid = max(0, n_before + kept - j)  # positions 0 .. n_before - 1 + kept - j
-            _crop_to(self.caches[j - 1], valid)
-            if self.states[j - 1] is not None:
-                self.states[j - 1] = self.states[j - 1][:valid]
+            self.states[j - 1] = out[:n_c] if old is None or start == 0 else torch.cat([old[:start], out[:n_c]])
+        self.scratch[j - 1] = {v: out[n_c + i] for i, v in enumerate(scratch)}
+        rows = torch.stack([self.states[j - 1][last] if u < 0 else self.scratch[j - 1][u] for u in expand])
+        return torch.log_softmax(self.mm.mm(rows, self.weight).float(), -1)  # (len(expand), |D|)
 
 
-def make_drafter(heads, backbone):
+def make_drafter(heads, backbone, mm: MatmulPlan):
     if heads is None:
         return None
     if hasattr(heads, "module_step"):
-        return ChainedDrafter(heads, backbone.lm_head, backbone.embed_tokens)
-    return MedusaDrafter(heads, backbone.lm_head)
+        return ChainedDrafter(heads, backbone.lm_head, backbone.embed_tokens, mm)
+    return MedusaDrafter(heads, backbone.lm_head, mm)
+
+
+def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_depth: int) -> DraftTree:
+    """Draft the nodes `plan` asks for (a TreeShape or a DynamicTree), level by level, no deeper than
+    `max_depth`. A drafter with only `draft(tokens, hidden, n)` (tests' scripted drafters) drafts
+    chains."""
+    tree = DraftTree()
+    if isinstance(plan, TreeShape):
+        depth = min(plan.depth, max_depth)
+    else:
+        depth = min(plan.depth or drafter.k, drafter.k, max_depth)
+    if depth <= 0 or (isinstance(plan, TreeShape) and plan.n == 0):
+        return tree
+    if not hasattr(drafter, "level"):
+        n = min(depth, plan.depth if isinstance(plan, TreeShape) else depth)
+        drafts, probs = drafter.draft(tokens, hidden, n)
+        for i, (t, q) in enumerate(zip(drafts.tolist(), probs.tolist(), strict=True)):
+            tree.add(t, i - 1, 0.0, q, ranks=(0,) * (i + 1))
+        return tree
+    drafter.begin(tokens, hidden)
+    if isinstance(plan, TreeShape):
+        node_of: dict[tuple, int] = {(): -1}
+        by_depth: dict[int, list[tuple]] = {}
+        for path in plan.paths:
+            if len(path) <= depth:
+                by_depth.setdefault(len(path), []).append(path)
+        for j in range(1, depth + 1):
+            paths = by_depth.get(j, [])
+            parents = sorted({node_of[pth[:-1]] for pth in paths})
+            if not paths:
+                break
+            lp = drafter.level(j, parents, tree)  # (len(parents), |D|)
+            width = max(pth[-1] for pth in paths) + 1
+            top_lp, top_idx = lp.topk(min(width, lp.shape[-1]), -1)
+            tok = drafter.to_tokens(top_idx).tolist()
+            row = {u: i for i, u in enumerate(parents)}
+            top_lp = top_lp.tolist()
+            for pth in paths:
+                u, r = node_of[pth[:-1]], pth[-1]
+                if r >= len(tok[row[u]]):
+                    continue
+                base = 0.0 if u < 0 else tree.scores[u]
+                node_of[pth] = tree.add(tok[row[u]][r], u, base + top_lp[row[u]][r], math.exp(top_lp[row[u]][r]),
+                                        ranks=pth)
+        return tree
+    frontier = [-1]
+    for j in range(1, depth + 1):
+        lp = drafter.level(j, frontier, tree)
+        top_lp, top_idx = lp.topk(min(plan.topk, lp.shape[-1]), -1)
+        tok, top_lp = drafter.to_tokens(top_idx).tolist(), top_lp.tolist()
+        new = []
+        for i, u in enumerate(frontier):
+            base = 0.0 if u < 0 else tree.scores[u]
+            for r in range(len(tok[i])):
+                new.append(tree.add(tok[i][r], u, base + top_lp[i][r], math.exp(top_lp[i][r])))
+        frontier = sorted(new, key=lambda v: -tree.scores[v])[: plan.width]
+    if tree.n > plan.nodes:  # scores only fall along a path, so the best n are parent-closed
+        best = sorted(range(tree.n), key=lambda v: (-tree.scores[v], tree.depths[v]))[: plan.nodes]
+        keep = set(best)
+        for v in best:
+            keep.update(tree.path_to(v))
+        tree = tree.keep(sorted(keep))
+    return tree
 
 
 # ---------------------------------------------------------------------------------------------------
-# depth policies for adaptive mode
+# adaptive policies: which tree to verify at this step
+
+
+class AcceptanceModel:
+    """Running estimate of how many drafts a static tree gets accepted: per rank path P, the chance
+    that P's draft is the backbone's token given its parent was, from prior rank statistics (worth
+    `prior_weight` steps; Beta(1, 1) without statistics) updated by every verified step."""
+
+    def __init__(self, prefix=None, total: int = 0, prior_weight: float = 8.0):
+        self.prefix, self.total, self.w = prefix or {}, total, prior_weight
+        self.succ: dict[tuple, float] = {}
+        self.trials: dict[tuple, float] = {}
+
+    def q(self, path: tuple) -> float:
+        if self.total:
+            parent = self.prefix.get(path[:-1], 0) if len(path) > 1 else self.total
+            s0 = self.w * self.prefix.get(path, 0) / self.total
+            t0 = self.w * parent / self.total
+        else:
+            s0, t0 = 1.0, 2.0
+        return (s0 + self.succ.get(path, 0.0)) / max(1e-9, t0 + self.trials.get(path, 0.0))
+
+    def expected(self, shape: TreeShape) -> float:
+        out, chance = 0.0, {(): 1.0}
+        for path in shape.paths:
+            chance[path] = chance.get(path[:-1], 0.0) * self.q(path)
+            out += chance[path]
+        return out
+
+    def update(self, shape: TreeShape, accepted_ranks: tuple) -> None:
+        for path in shape.paths:
+            m = len(path)
+            if path[:-1] == accepted_ranks[: m - 1] and len(accepted_ranks) >= m - 1:
+                self.trials[path] = self.trials.get(path, 0.0) + 1
+                self.succ[path] = self.succ.get(path, 0.0) + float(accepted_ranks[:m] == path)
 
 
 class CostPolicy:
-    """Pick n maximising E[committed tokens] / cost(n): E = 1 + sum_{j<=n} prod_{i<=j} a_i with
-    a_i the running acceptance of depth i given depth i-1 accepted (Beta(1, 1) prior), cost(n) the
-    measured time of a step with n drafts relative to n = 0."""
+    """Pick, each step, the candidate tree maximising E[committed tokens] / cost: E = 1 + the
+    running expected accepted drafts (`AcceptanceModel`), cost = the measured time of verifying
+    n + 1 tokens plus drafting the tree, relative to a plain one-token step. When "no drafts" wins,
+    the smallest tree is still tried every `probe` steps, so the estimates can recover."""
 
-    def __init__(self, k: int, cost: list[float]):
-        self.k, self.cost = k, cost
-        self.acc, self.seen = [0] * k, [0] * k
+    def __init__(self, trees: list[TreeShape], costs: list[float], model: AcceptanceModel | None = None,
+                 probe: int = 16):
+        self.trees, self.costs, self.model, self.probe = trees, costs, model or AcceptanceModel(), probe
+        self._idle = 0
 
-    def choose(self, **_) -> int:
-        best, best_n, chain, value = -1.0, 0, 1.0, 1.0
-        for n in range(self.k + 1):
-            if n > 0:
-                chain *= (self.acc[n - 1] + 1) / (self.seen[n - 1] + 2)
-                value += chain
-            rate = value / self.cost[n]
-            if rate > best:
-                best, best_n = rate, n
-        return best_n
+    @classmethod
+    def chains(cls, k: int, cost: list[float]) -> CostPolicy:
+        """Chains of 0..k drafts with `cost[n]` for n drafts."""
+        return cls([TreeShape.chain(n) for n in range(k + 1)], list(cost))
 
-    def update(self, n: int, kept: int, **_) -> None:
-        for j in range(min(n, kept + 1)):  # depths the chain reached
-            self.seen[j] += 1
-            self.acc[j] += int(j < kept)
+    def choose(self, **_) -> TreeShape:
+        rates = [(1 + self.model.expected(t)) / c for t, c in zip(self.trees, self.costs, strict=True)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if self.trees[best].n == 0:
+            self._idle += 1
+            if self._idle >= self.probe:
+                self._idle = 0
+                return min((t for t in self.trees if t.n), key=lambda t: t.n, default=self.trees[best])
+        return self.trees[best]
+
+    def update(self, shape: TreeShape, accepted_ranks: tuple, **_) -> None:
+        if shape.n:
+            self.model.update(shape, accepted_ranks)
 
 
 class EntropyPolicy:
-    """EntMTP-style: n = k when the backbone's running entropy is at or below `low` nats, 0 at or
-    above `high`, linear in between; the running estimate is an EMA over steps."""
+    """EntMTP: one tree per entropy bucket of the backbone (deeper where it is confident), chosen by
+    the entropy of the distribution that made the last committed token. `edges` are the bucket
+    boundaries in nats; `trees[b]` is verified in bucket b."""
 
-    def __init__(self, k: int, low: float = 0.5, high: float = 3.0, decay: float = 0.5):
-        self.k, self.low, self.high, self.decay = k, low, high, decay
-        self.h = low
+    def __init__(self, trees: list[TreeShape], edges=(0.5, 1.5, 3.0)):
+        if len(trees) != len(edges) + 1:
+            raise ValueError(f"EntropyPolicy: {len(edges)} edges need {len(edges) + 1} trees, got {len(trees)}")
+        self.trees, self.edges, self.h = trees, tuple(edges), 0.0
 
-    def choose(self, **_) -> int:
-        frac = (self.high - self.h) / max(self.high - self.low, 1e-6)
-        return int(round(self.k * min(1.0, max(0.0, frac))))
+    @classmethod
+    def chains(cls, k: int, low: float = 0.5, high: float = 3.0) -> EntropyPolicy:
+        """Without rank statistics: all k heads at or below `low` nats, none at or above `high`."""
+        mid = (low + high) / 2
+        return cls([TreeShape.chain(k), TreeShape.chain(max(1, k // 2 + k % 2)),
+                    TreeShape.chain(1), TreeShape.chain(0)], (low, mid, high))
 
-    def update(self, n: int, kept: int, entropy: float = 0.0, **_) -> None:
-        self.h = self.decay * self.h + (1 - self.decay) * entropy
+    def choose(self, **_) -> TreeShape:
+        return self.trees[sum(self.h >= e for e in self.edges)]
+
+    def update(self, shape: TreeShape, accepted_ranks: tuple, entropy: float = 0.0, **_) -> None:
+        self.h = entropy
 
 
 # ---------------------------------------------------------------------------------------------------
 # the decoder
 
 
+@dataclass
+class _State:
+    tokens: torch.Tensor  # committed tokens (N,)
+    hidden: torch.Tensor  # backbone states (N - 1, d)
+    cache: object  # the backbone's KV cache: N - 1 rows
+    new: list[int]  # the new tokens so far
+    entropy: float = 0.0  # of the distribution that made the last committed token
+
+
 class Decoder:
     """Decode one prompt at a time with a frozen backbone (a `backbone.Backbone`) and optional heads."""
 
-    def __init__(self, backbone, heads=None, eos_ids: list[int] | None = None, drafter=None):
-        """`drafter` replaces the heads' own (anything with k, reset, draft and commit; tests)."""
+    def __init__(self, backbone, heads=None, eos_ids: list[int] | None = None, drafter=None,
+                 matmul: MatmulPlan | None = None):
+        """`drafter` replaces the heads' own (tests); `matmul` routes small-batch linears (None: each
+        Decoder measures its own plan on first use)."""
         self.backbone = backbone
         self.base = backbone.model.base_model  # transformer without the LM head
         self.weight = backbone.lm_head.weight.detach()  # (V, d)
         self.heads = heads
-        self.drafter = drafter if drafter is not None else make_drafter(heads, backbone)
+        self._mm = matmul
+        self.drafter = drafter if drafter is not None else make_drafter(heads, backbone, self.mm)
         self.k = self.drafter.k if self.drafter is not None else 0
         tok = backbone.tokenizer
         self.eos = set(eos_ids if eos_ids is not None else [tok.eos_token_id])
         self.device = backbone.device
 
-    def _forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """(n,) tokens after the cached ones -> backbone states (n, d); the cache grows by n."""
-        return self.base(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+    @property
+    def mm(self) -> MatmulPlan:
+        if self._mm is None:
+            self._mm = MatmulPlan()
+        return self._mm
 
-    def _fast(self):
-        return small_batch_linears(*(m for m in (self.backbone.model, self.heads) if m is not None))
+    def measure_matmuls(self, reps: int = 5) -> MatmulPlan:
+        """Time both layouts for every weight the decoder multiplies (backbone, heads, LM head) and
+        route through the faster from now on."""
+        mods = [m for m in (self.backbone.model, self.heads) if m is not None]
+        weights = [lin.weight for m in mods for lin in m.modules() if type(lin) is nn.Linear]
+        weights.append(self.weight)
+        if self.drafter is not None and getattr(self.drafter, "weight", None) is not None:
+            weights.append(self.drafter.weight)
+        plan = MatmulPlan.measure(weights, reps=reps)
+        self.mm.choices.update(plan.choices)
+        return self.mm
+
+    def _routing(self):
+        return routed_linears(self.mm, *(m for m in (self.backbone.model, self.heads) if m is not None))
+
+    def _forward(self, ids: torch.Tensor, cache, **kw) -> torch.Tensor:
+        """(n,) tokens after the cached ones -> backbone states (n, d); the cache grows by n."""
+        return self.base(input_ids=ids[None], cache=cache, use_cache=True, **kw).last_hidden_state[0]
 
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", **opts) -> DecodeResult:
         """Decode `prompt` (token ids) for at most max_new_tokens new tokens; see `_generate`."""
-        with self._fast(), torch.inference_mode():
+        with self._routing(), torch.inference_mode():
             return self._generate(prompt, max_new_tokens, mode, **opts)
 
-    def _generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", *,
-                 span_policy=None, delta: float = 0.5, budget: float = 0.0, depth_policy=None,
-                 trace: bool = False, record: bool = False) -> DecodeResult:
-        """Decode `prompt` (token ids) for at most max_new_tokens new tokens.
+    def _generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", *, tree=None,
+                  span_policy=None, delta: float = 0.5, budget: float = 0.0, depth_policy=None,
+                  trace: bool = False, record: bool = False) -> DecodeResult:
+        """Decode `prompt` for at most max_new_tokens new tokens.
 
+        tree (verify): a TreeShape (static) or DynamicTree; None = the chain of all k heads.
         span_policy (clp, clp+verify): callable(hidden (d,), head_probs (k,) or None) -> m in 0..k,
             the drafts to keep (clp) or to verify (clp+verify); with `needs_probs = False` it is
             asked before drafting, with head_probs None.
         delta, budget (relaxed): see the module docstring; budget=0 is exact greedy verification.
-        depth_policy (adaptive): a CostPolicy or EntropyPolicy (or anything with choose/update).
+        depth_policy (adaptive): a CostPolicy or EntropyPolicy (anything with choose/update).
         """
         from transformers import DynamicCache
 
+        self._check(mode, span_policy, depth_policy)
+        k = self.k
+        res = DecodeResult(tokens=[], reached=[0] * k, accepted=[0] * k, trace=[] if trace else None,
+                           records=[] if record else None)
+        if self.drafter is not None:
+            self.drafter.reset()
+        t0 = time.perf_counter()
+        cache = DynamicCache()
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
+        hidden = self._forward(ids, cache)  # (P, d)
+        logits = self.mm.mm(hidden[-1:], self.weight)
+        first = int(logits[0].argmax())
+        st = _State(tokens=torch.cat([ids, torch.tensor([first], device=self.device)]), hidden=hidden,
+                    cache=cache, new=[first], entropy=_entropy(logits[0]))
+        res.prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        while not self._done(st.new, max_new_tokens):
+            room = max_new_tokens - len(st.new) - 1  # no draft past the token budget
+            plan = self._plan(mode, tree, st, span_policy, depth_policy)
+            d = draft_tree(self.drafter, st.tokens, st.hidden, plan, room) if self.drafter else DraftTree()
+            if mode in ("clp", "clp+verify") and getattr(span_policy, "needs_probs", True) and d.n:
+                d = d.keep(list(range(min(d.n, int(span_policy(st.hidden[-1], torch.tensor(d.probs)))))))
+            out, logits = self._verify(st, d)
+            path = self._accept(mode, d, logits, delta, budget)
+            n_before = len(st.tokens)
+            self._commit(st, d, path, out, logits)
+            self._record(res, st, d, path, plan, n_before, mode, depth_policy, trace, record)
+        res.decode_s = time.perf_counter() - t1
+        res.cache_length = st.cache.get_seq_length()
+        res.tokens, res.stopped = self._truncate(st.new, max_new_tokens)
+        return res
+
+    # --- the step, in parts -----------------------------------------------------------------------
+
+    def _check(self, mode, span_policy, depth_policy) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown decoding mode {mode!r}; expected one of {', '.join(MODES)}")
         if mode != "greedy" and self.drafter is None:
             raise ValueError(f"mode {mode!r} needs heads")
         if mode in ("clp", "clp+verify") and span_policy is None:
             raise ValueError(f"mode {mode!r} needs a span_policy")
-        early = mode in ("clp", "clp+verify") and not getattr(span_policy, "needs_probs", True)
         if mode == "adaptive" and depth_policy is None:
             raise ValueError("mode 'adaptive' needs a depth_policy")
-        k = self.k
-        res = DecodeResult(tokens=[], reached=[0] * k, accepted=[0] * k, trace=[] if trace else None,
-                           records=[] if record else None)
-        if self.drafter is not None:
-            self.drafter.reset()
-        cache = DynamicCache()
-        t0 = time.perf_counter()
-        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
-        hidden = self._forward(ids, cache)  # (P, d)
-        first = int(small_mm(hidden[-1:], self.weight)[0].argmax())
-        res.prefill_s = time.perf_counter() - t0
-        tokens = torch.cat([ids, torch.tensor([first], device=self.device)])  # committed, (N,)
-        new = [first]
-        t1 = time.perf_counter()
-        while not self._done(new, max_new_tokens):
-            n_before = len(tokens)
-            # 1. how many heads to run, then draft
-            n = k
-            if mode == "greedy":
-                n = 0
-            elif mode == "adaptive":
-                n = depth_policy.choose()
-            n = min(n, max_new_tokens - len(new) - 1)  # no draft past the token budget
-            if early:  # the policy reads h_p only: run just the heads whose drafts it will use
-                n = min(int(span_policy(hidden[-1], None)), n)
-            drafts, probs = (self.drafter.draft(tokens, hidden, n) if n > 0
-                             else (tokens.new_zeros(0), torch.zeros(0)))
-            if mode in ("clp", "clp+verify") and not early and n > 0:
-                m = min(int(span_policy(hidden[-1], probs)), n)
-                drafts, n = drafts[:m], m
-            # 2. one backbone forward over [x, d_1..d_n]
-            out = self._forward(torch.cat([tokens[-1:], drafts]), cache)  # (n + 1, d)
-            logits = small_mm(out, self.weight)  # (n + 1, V)
-            greedy = logits.argmax(-1)  # (n + 1,)
-            # 3. how many drafts to keep
-            if mode in ("clp", "greedy"):
-                kept = n
-            elif mode == "relaxed":
-                kept = self._relaxed(logits[:n], drafts, delta, budget)
-            else:
-                match = (drafts == greedy[:n]).long()  # (n,)
-                kept = int(match.cumprod(0).sum())
-            for j in range(min(n, kept + 1)):
-                res.reached[j] += 1
-                res.accepted[j] += int(j < kept)
-            if kept < n:
-                _crop_to(cache, n_before + kept)  # drop the rejected drafts' entries
-            committed = torch.cat([drafts[:kept], greedy[kept: kept + 1]])
-            hidden = torch.cat([hidden, out[: kept + 1]])  # states of x, d_1..d_kept
-            tokens = torch.cat([tokens, committed])
-            if self.drafter is not None:
-                self.drafter.commit(n_before, kept)
-            if trace:
-                res.trace.append((n_before - 2, drafts.tolist(), kept))
-            if record and n == k:
-                res.records.append((hidden[n_before - 2].clone(), probs.clone(), kept))
-            if mode == "adaptive":
-                lp = torch.log_softmax(logits[kept].float(), -1)
-                depth_policy.update(n, kept, entropy=float(-(lp.exp() * lp).sum()))
-            res.steps += 1
-            res.drafted.append(n)
-            res.accept_lengths.append(kept + 1)
-            new.extend(committed.tolist())
-        res.decode_s = time.perf_counter() - t1
-        res.cache_length = cache.get_seq_length()
-        res.tokens, res.stopped = self._truncate(new, max_new_tokens)
-        return res
+
+    def _plan(self, mode, tree, st: _State, span_policy, depth_policy):
+        """What to draft this step: a TreeShape (a chain is one) or a DynamicTree."""
+        if mode == "greedy":
+            return TreeShape(())
+        if mode == "adaptive":
+            return depth_policy.choose(entropy=st.entropy)
+        if mode in ("clp", "clp+verify") and getattr(span_policy, "needs_probs", True) is False:
+            return TreeShape.chain(int(span_policy(st.hidden[-1], None)))  # only the heads it will use
+        if mode == "verify" and tree is not None:
+            return tree
+        return TreeShape.chain(self.k)
+
+    def _verify(self, st: _State, d: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """One backbone forward over [x, nodes] -> states (n + 1, d) and logits (n + 1, V)."""
+        ids = torch.cat([st.tokens[-1:], torch.tensor(d.tokens, dtype=torch.long, device=self.device)])
+        if d.is_chain():
+            out = self._forward(ids, st.cache)
+        else:
+            cached = st.cache.get_seq_length()
+            pos = torch.tensor([cached] + [cached + x for x in d.depths], device=self.device)[None]
+            mask = tree_attention_mask(d.parents, cached, st.hidden.dtype, self.device)
+            out = self._forward(ids, st.cache, attention_mask=mask, position_ids=pos)
+        return out, self.mm.mm(out, self.weight)
+
+    def _accept(self, mode: str, d: DraftTree, logits: torch.Tensor, delta: float, budget: float) -> list[int]:
+        """The node indices to keep, root first."""
+        if mode in ("greedy", "clp"):
+            return list(range(d.n))  # clp: a chain, committed unverified
+        if mode == "relaxed":
+            drafts = torch.tensor(d.tokens, dtype=torch.long, device=logits.device)
+            return list(range(self._relaxed(logits[: d.n], drafts, delta, budget)))
+        return greedy_accept(d, logits.argmax(-1).tolist())
+
+    def _commit(self, st: _State, d: DraftTree, path: list[int], out: torch.Tensor, logits: torch.Tensor) -> None:
+        """Commit the path and the backbone's token after it; keep the path's KV rows and states."""
+        rows = [0] + [1 + v for v in path]  # rows of [x, nodes] to keep
+        cached = st.cache.get_seq_length() - (d.n + 1)
+        if rows == list(range(len(rows))):
+            _crop_to(st.cache, cached + len(rows))
+        else:
+            _keep_rows(st.cache, torch.cat([torch.arange(cached), cached + torch.tensor(rows)]).to(self.device))
+        last = rows[-1]
+        bonus = int(logits[last].argmax())
+        committed = [d.tokens[v] for v in path] + [bonus]
+        st.hidden = torch.cat([st.hidden, out[rows]])
+        st.tokens = torch.cat([st.tokens, torch.tensor(committed, dtype=torch.long, device=self.device)])
+        st.new.extend(committed)
+        st.entropy = _entropy(logits[last])
+
+    def _record(self, res: DecodeResult, st: _State, d: DraftTree, path, plan, n_before, mode,
+                depth_policy, trace, record) -> None:
+        kept = len(path)
+        parents = set(d.parents)
+        for j in range(min(self.k, kept + 1)):  # depth j+1 was reached if the path's node has children
+            if (path[j - 1] if j else -1) not in parents:
+                break
+            res.reached[j] += 1
+            res.accepted[j] += int(j < kept)
+        if trace:
+            res.trace.append((n_before - 2, list(d.tokens), list(d.parents), list(path), list(d.ranks)))
+        if record and d.n == self.k and d.is_chain():
+            res.records.append((st.hidden[n_before - 2].clone(), torch.tensor(d.probs), kept))
+        if mode == "adaptive":
+            depth_policy.update(plan, d.ranks[path[-1]] if path and d.ranks else (), entropy=st.entropy)
+        res.steps += 1
+        res.drafted.append(d.n)
+        res.accept_lengths.append(kept + 1)
 
     def _done(self, new: list[int], max_new_tokens: int) -> bool:
         return len(new) >= max_new_tokens or any(t in self.eos for t in new)
@@ -392,27 +673,66 @@ class Decoder:
             kept += 1
         return kept
 
-    def step_costs(self, context: int = 128, reps: int = 5) -> list[float]:
-        """Wall time of one backbone forward over n + 1 new tokens (n = 0..k) after `context` cached
-        tokens, relative to n = 0: the verify cost curve of this machine, measured now."""
-        with self._fast(), torch.inference_mode():
-            return self._step_costs(context, reps)
+    # --- what this machine charges for a step -------------------------------------------------------
 
-    def _step_costs(self, context: int, reps: int) -> list[float]:
-        from transformers import DynamicCache
+    def verify_costs(self, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 128,
+                     rounds: int = 7, warmup: int = 2) -> dict:
+        """Wall time of one backbone forward over n new tokens (plus the LM head and argmax) after
+        `context` cached tokens, relative to n = 1: medians of `rounds` interleaved rounds (the order
+        of sizes rotates per round) after `warmup` untimed ones. Returns {"costs": {n: ratio},
+        "one_token_ms", "spread": {n: [min, max] ratio}}."""
+        with self._routing(), torch.inference_mode():
+            from transformers import DynamicCache
 
-        ids = torch.randint(0, self.weight.shape[0], (context + self.k + 1,), device=self.device,
-                            generator=torch.Generator().manual_seed(0))
-        cache = DynamicCache()
-        self._forward(ids[:context], cache)
-        times = []
-        for n in range(self.k + 1):
-            best = float("inf")
-            for _ in range(reps):
+            sizes = sorted(set(sizes) | {1})
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, self.weight.shape[0], (context + max(sizes),), generator=g).to(self.device)
+            cache = DynamicCache()
+            self._forward(ids[:context], cache)
+            times = {n: [] for n in sizes}
+            for r in range(warmup + rounds):
+                order = sizes[r % len(sizes):] + sizes[: r % len(sizes)]
+                for n in order:
+                    t0 = time.perf_counter()
+                    out = self._forward(ids[context: context + n], cache)
+                    self.mm.mm(out, self.weight).argmax(-1)
+                    dt = time.perf_counter() - t0
+                    _crop_to(cache, context)
+                    if r >= warmup:
+                        times[n].append(dt)
+            one = statistics.median(times[1])
+            return {"costs": {n: statistics.median(t) / one for n, t in times.items()},
+                    "spread": {n: [min(t) / one, max(t) / one] for n, t in times.items()},
+                    "one_token_ms": one * 1e3, "context": context, "rounds": rounds}
+
+    def draft_cost(self, plan, prompt: list[int], reps: int = 5) -> float:
+        """Median wall time of drafting `plan` after `prompt` (seconds), warm."""
+        if self.drafter is None or (isinstance(plan, TreeShape) and plan.n == 0):
+            return 0.0
+        with self._routing(), torch.inference_mode():
+            from transformers import DynamicCache
+
+            ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
+            hidden = self._forward(ids, DynamicCache())
+            tokens = torch.cat([ids, ids[-1:]])
+            times = []
+            for r in range(reps + 1):
+                self.drafter.reset()
+                if hasattr(self.drafter, "level"):  # fill the module caches: a step then drafts warm
+                    draft_tree(self.drafter, tokens[:-1], hidden[:-1], TreeShape.chain(self.k), self.k)
                 t0 = time.perf_counter()
-                out = self._forward(ids[context: context + n + 1], cache)
-                small_mm(out, self.weight).argmax(-1)
-                best = min(best, time.perf_counter() - t0)
-                _crop_to(cache, context)
-            times.append(best)
-        return [t / times[0] for t in times]
+                draft_tree(self.drafter, tokens, hidden, plan, self.k)
+                if r:
+                    times.append(time.perf_counter() - t0)
+            self.drafter.reset()
+            return statistics.median(times)
+
+    def step_costs(self, context: int = 128, reps: int = 5) -> list[float]:
+        """Forward over n + 1 tokens relative to one, n = 0..k (the chain's verify cost curve)."""
+        c = self.verify_costs(sizes=tuple(range(1, self.k + 2)), context=context, rounds=reps)["costs"]
+        return [c[n + 1] for n in range(self.k + 1)]
+
+
+def _entropy(logits: torch.Tensor) -> float:
+    lp = torch.log_softmax(logits.float(), -1)
+    return float(-(lp.exp() * lp).sum())

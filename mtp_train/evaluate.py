@@ -10,13 +10,24 @@ our greedy's; lossy modes), identical_to_greedy, n_prompts, new_tokens. Under "d
 first_divergence (mean first differing position over outputs that differ), wall_s, prefill_s,
 decode_s and accept_hist. Top level: step_cost (forward over k+1 tokens / over 1), the heads'
 training-time val/sim_tau next to the measured tau, and the prompts skipped as too long.
+
+Timing runs in eval.rounds rounds; in each, every prompt is decoded by HF generate and every mode in
+an order that rotates with the prompt and the round, so no mode always runs first. Outputs and
+acceptance come from round 1; speedup_vs_hf and tokens_per_s are medians over the rounds, and the
+details add wall_s_rounds, speedup_rounds, speedup_spread ([min, max]), nondeterministic (a later
+round's tokens differed from round 1's) and plausible_max_speedup: a step costs at least one
+backbone forward, so a mode cannot beat HF by more than 1.15 x tau x max(1, our greedy's speedup);
+a mode above that bound is listed in the top-level "flags" (the machine was probably loaded).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
+import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,6 +93,40 @@ def held_out_prompts(data_dir: Path, split: str = "validation") -> list[list[int
     return out
 
 
+def dataset_ids(data_dir: Path) -> set[str]:
+    """The conversation ids of a prepared dataset, over all of its splits."""
+    from datasets import load_from_disk
+
+    if not (Path(data_dir) / "manifest.json").is_file():
+        raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep stage=data` first")
+    ds = load_from_disk(str(data_dir))
+    return {str(i) for split in ds for i in ds[split]["id"]}
+
+
+def prompt_messages(messages: list[dict]) -> list[dict] | None:
+    """The messages before the first assistant turn, or None when no user turn comes before it."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    head = messages[:first]
+    return head if any(m["role"] == "user" for m in head) else None
+
+
+def unseen_conversations(conversations: list[dict], seen: set[str], seed: int) -> list[dict]:
+    """The conversations whose id is not in `seen`, in an order shuffled by `seed`."""
+    out = [c for c in conversations if str(c["id"]) not in seen]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def render_prompts(conversations, tokenizer) -> Iterator[list[int]]:
+    """Each conversation rendered up to its first assistant turn (lazily: callers stop early)."""
+    from mtp_train.data.template import render_prompt
+
+    for conv in conversations:
+        messages = prompt_messages(conv["messages"])
+        if messages is not None:
+            yield render_prompt(tokenizer, messages)
+
+
 # ---------------------------------------------------------------------------------------------------
 # quality signals
 
@@ -127,8 +172,16 @@ def hf_generate(backbone, prompt: list[int], max_new_tokens: int, eos: list[int]
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0
 
 
-def summarise(name: str, outputs: list[list[int]], results: list, seconds: float, hf_seconds: float,
-              greedy: list[list[int]] | None, nll: list[float], k: int) -> dict:
+def summarise(name: str, outputs: list[list[int]], results: list, seconds, hf_seconds,
+              greedy: list[list[int]] | None, nll: list[float], k: int,
+              round_tokens: list[int] | None = None) -> tuple[dict, dict]:
+    """One mode's report entry and details. `seconds` and `hf_seconds` are the mode's and HF
+    generate's wall time per timing round (a number: one round) on the same prompts; speedup and
+    tokens/s are medians over the rounds. Outputs and acceptance (`results`) are round 1's;
+    `round_tokens` are the new tokens of each round (default: round 1's in every round)."""
+    secs, hf = _per_round(seconds), _per_round(hf_seconds)
+    if len(secs) != len(hf):
+        raise ValueError(f"{name}: {len(secs)} timing rounds against HF generate's {len(hf)}")
     steps = sum(r.steps for r in results) if results else 0
     committed = sum(sum(r.accept_lengths) for r in results) if results else 0
     reached = [sum(r.reached[j] for r in results) for j in range(k)] if results else []
@@ -138,21 +191,26 @@ def summarise(name: str, outputs: list[list[int]], results: list, seconds: float
         for a in r.accept_lengths:
             hist[min(a, k + 1) - 1] += 1
     new_tokens = sum(len(o) for o in outputs)
+    tokens = list(round_tokens) if round_tokens is not None else [new_tokens] * len(secs)
+    speedups = [h / s if s > 0 else 0.0 for h, s in zip(hf, secs, strict=True)]
+    rates = [t / s if s > 0 else 0.0 for t, s in zip(tokens, secs, strict=True)]
     rep = {
         "tau": committed / steps if steps else 1.0,
         "alpha": [a / r if r else None for a, r in zip(accepted, reached, strict=True)],
-        "tokens_per_s": new_tokens / seconds if seconds > 0 else 0.0,
-        "speedup_vs_hf": hf_seconds / seconds if seconds > 0 else 0.0,
+        "tokens_per_s": statistics.median(rates),
+        "speedup_vs_hf": statistics.median(speedups),
         "repetition_ratio": sum(map(repetition_ratio, outputs)) / len(outputs),
         "backbone_nll": sum(nll) / len(nll),
         "greedy_match_rate": None, "identical_to_greedy": None,
         "n_prompts": len(outputs), "new_tokens": new_tokens,
     }
     details = {
-        "first_divergence": None, "wall_s": seconds,
+        "first_divergence": None, "wall_s": statistics.median(secs),
         "prefill_s": sum(r.prefill_s for r in results) if results else None,
         "decode_s": sum(r.decode_s for r in results) if results else None,
         "accept_hist": hist if results else None,
+        "wall_s_rounds": secs, "speedup_rounds": speedups, "speedup_spread": [min(speedups), max(speedups)],
+        "nondeterministic": False,
     }
     if greedy is not None:
         div = [first_divergence(o, g) for o, g in zip(outputs, greedy, strict=True)]
@@ -163,8 +221,48 @@ def summarise(name: str, outputs: list[list[int]], results: list, seconds: float
     return rep, details
 
 
+def _per_round(x) -> list[float]:
+    return [float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)]
+
+
+PLAUSIBLE_SLACK = 1.15  # how far timing noise may carry a speedup above what tau allows
+
+
+def plausible_max_speedup(tau: float, greedy_speedup: float | None) -> float:
+    """The most a mode committing `tau` tokens per step can gain over HF generate: each step costs at
+    least one backbone forward of one token, i.e. at least one step of our greedy decoder."""
+    return PLAUSIBLE_SLACK * tau * max(1.0, greedy_speedup if greedy_speedup is not None else 1.0)
+
+
+def plausibility_flags(report: dict) -> list[str]:
+    """Set details[mode]["plausible_max_speedup"] for every mode that drafts (None for the others)
+    and return one line per mode whose speedup is beyond it."""
+    greedy = report["modes"].get("greedy")
+    greedy_speedup = greedy["speedup_vs_hf"] if greedy else None
+    flags = []
+    for name, m in report["modes"].items():
+        d = report["details"][name]
+        if name in ("hf_generate", "greedy") or not report.get("k") or not d.get("accept_hist"):
+            d["plausible_max_speedup"] = None
+            continue
+        bound = plausible_max_speedup(m["tau"], greedy_speedup)
+        d["plausible_max_speedup"] = bound
+        if m["speedup_vs_hf"] > bound:
+            flags.append(f"{name}: speedup {m['speedup_vs_hf']:.2f}x exceeds what tau {m['tau']:.2f} allows "
+                         f"(<= {bound:.2f}x); the machine was probably loaded")
+    return flags
+
+
+def round_order(names: list[str], prompt_index: int, round_index: int) -> list[str]:
+    """The order in which HF generate and the modes decode one prompt in one round: a rotation by
+    prompt index + round index, so that no one of them always runs first (or always last)."""
+    shift = (prompt_index + round_index) % len(names)
+    return names[shift:] + names[:shift]
+
+
 def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None) -> dict:
-    """Decode every prompt with HF generate and each mode in cfg.modes; returns the report dict."""
+    """Decode every prompt with HF generate and each mode in cfg.modes, in cfg.rounds timing rounds;
+    returns the report dict and round 1's outputs per mode."""
     from tqdm.auto import tqdm
 
     from mtp_train.decoding import CostPolicy, Decoder, EntropyPolicy
@@ -195,37 +293,58 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
         for mode in cfg.modes:
             dec.generate(p, min(16, cfg.max_new_tokens), "greedy" if mode == "greedy" else "verify")
     span_policies = span_policies or {}
-    bar = tqdm(total=len(prompts) * (len(cfg.modes) + 1), desc="decode", unit="run", dynamic_ncols=True)
-    hf_out, hf_s = [], 0.0
-    runs = {mode: ([], 0.0) for mode in cfg.modes}
-    for p in prompts:  # interleaved per prompt, so that drift in machine speed hits every mode alike
-        out, s = hf_generate(backbone, p, cfg.max_new_tokens, eos)
-        hf_out.append(out)
-        hf_s += s
-        bar.update(1)
-        for mode in cfg.modes:
-            t0 = time.perf_counter()
-            r = run_mode(mode, p)
-            res, secs = runs[mode]
-            res.append(r)
-            runs[mode] = (res, secs + time.perf_counter() - t0)
-            bar.update(1)
+    rounds = getattr(cfg, "rounds", 1)
+    names = ["hf_generate", *cfg.modes]
+    bar = tqdm(total=rounds * len(prompts) * len(names), desc="decode", unit="run", dynamic_ncols=True)
+    first = {n: [] for n in names}  # round 1: HF's token lists, the modes' DecodeResults
+    wall = {n: [0.0] * rounds for n in names}  # seconds per round, over all prompts
+    new_tokens = {n: [0] * rounds for n in names}
+    nondeterministic = set()
+    for r in range(rounds):
+        # interleaved per prompt, in a rotating order: drift in machine speed hits every mode alike
+        for i, p in enumerate(prompts):
+            for name in round_order(names, i, r):
+                if name == "hf_generate":
+                    res, secs = hf_generate(backbone, p, cfg.max_new_tokens, eos)
+                    out = res
+                else:
+                    t0 = time.perf_counter()
+                    res = run_mode(name, p)
+                    secs = time.perf_counter() - t0
+                    out = res.tokens
+                wall[name][r] += secs
+                new_tokens[name][r] += len(out)
+                if r == 0:
+                    first[name].append(res)
+                else:
+                    ref = first[name][i]
+                    if out != (ref if name == "hf_generate" else ref.tokens):
+                        nondeterministic.add(name)
+                bar.update(1)
     bar.close()
-    greedy = [r.tokens for r in runs["greedy"][0]] if "greedy" in runs else hf_out
+    for name in sorted(nondeterministic):
+        log.warning("%s: a later timing round decoded other tokens than round 1 (nondeterministic)", name)
+    hf_out = first["hf_generate"]
+    outputs = {m: [res.tokens for res in first[m]] for m in cfg.modes}
+    greedy = outputs.get("greedy", hf_out)
     report = {"modes": {}, "details": {}}
-    report["modes"]["hf_generate"], report["details"]["hf_generate"] = summarise(
-        "hf_generate", hf_out, [], hf_s, hf_s, greedy,
-        [backbone_nll(backbone, p, o) for p, o in zip(prompts, hf_out, strict=True)], k)
-    for mode, (res, secs) in runs.items():
-        outs = [r.tokens for r in res]
-        report["modes"][mode], report["details"][mode] = summarise(
-            mode, outs, res, secs, hf_s, None if mode == "greedy" else greedy,
-            [backbone_nll(backbone, p, o) for p, o in zip(prompts, outs, strict=True)], k)
+    for name in names:
+        outs = hf_out if name == "hf_generate" else outputs[name]
+        results = [] if name == "hf_generate" else first[name]
+        report["modes"][name], report["details"][name] = summarise(
+            name, outs, results, wall[name], wall["hf_generate"], None if name == "greedy" else greedy,
+            [backbone_nll(backbone, p, o) for p, o in zip(prompts, outs, strict=True)], k,
+            round_tokens=new_tokens[name])
+        report["details"][name]["nondeterministic"] = name in nondeterministic
     report["step_cost"] = costs[-1]
     report["step_costs"] = costs
     report["k"] = k
     report["sim_tau"] = sim_tau
-    return report, {m: [r.tokens for r in runs[m][0]] for m in runs} | {"hf_generate": hf_out}
+    report["rounds"] = rounds
+    report["flags"] = plausibility_flags(report)
+    for line in report["flags"]:
+        log.warning("%s", line)
+    return report, outputs | {"hf_generate": hf_out}
 
 
 def _as_list(x) -> list:
@@ -243,13 +362,30 @@ def print_table(report: dict) -> None:
     t = Table(title=f"decoding, k={report['k']}, step cost {report['step_cost']:.2f}"
               + (f", training sim_tau {report['sim_tau']:.2f}" if report.get("sim_tau") else ""))
     for col in ("mode", "tok/s", "speedup", "tau", "alpha per depth", "rep", "NLL", "greedy match"):
-        t.add_column(col, justify="right" if col != "mode" else "left")
+        t.add_column(col, justify="right" if col != "mode" else "left", no_wrap=col in ("mode", "speedup"))
     for name, m in report["modes"].items():
         alpha = " ".join("-" if a is None else f"{a:.2f}" for a in (m["alpha"] or []))
         match = "-" if m["greedy_match_rate"] is None else f"{m['greedy_match_rate']:.2f}"
-        t.add_row(name, f"{m['tokens_per_s']:.1f}", f"{m['speedup_vs_hf']:.2f}x", f"{m['tau']:.2f}",
-                  alpha or "-", f"{m['repetition_ratio']:.3f}", f"{m['backbone_nll']:.3f}", match)
-    Console().print(t)
+        t.add_row(name, f"{m['tokens_per_s']:.1f}", format_speedup(m, report["details"].get(name)),
+                  f"{m['tau']:.2f}", alpha or "-", f"{m['repetition_ratio']:.3f}", f"{m['backbone_nll']:.3f}",
+                  match)
+    console = Console()
+    if not console.is_terminal:  # a log file: room for the spread, not rich's 80-column default
+        console = Console(width=max(console.width, 120))
+    console.print(t)
+    if report.get("rounds", 1) > 1:
+        console.print(f"speedup: median of {report['rounds']} timing rounds (min-max in brackets)")
+    for line in report.get("flags") or []:
+        console.print(f"[bold red]flag[/]: {line}", highlight=False, soft_wrap=True)
+
+
+def format_speedup(mode: dict, details: dict | None) -> str:
+    """'1.21x', or '1.21x (1.15-1.30)' with the spread over timing rounds when there were several."""
+    text = f"{mode['speedup_vs_hf']:.2f}x"
+    spread = (details or {}).get("speedup_spread")
+    if spread and len((details or {}).get("speedup_rounds") or []) > 1:
+        text += f" ({spread[0]:.2f}-{spread[1]:.2f})"
+    return text
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
@@ -264,7 +400,11 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
     paths = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(report["modes"])
-    ax.bar(names, [report["modes"][n]["speedup_vs_hf"] for n in names], color="tab:blue")
+    speed = [report["modes"][n]["speedup_vs_hf"] for n in names]
+    spread = [report["details"][n].get("speedup_spread") or [s, s] for n, s in zip(names, speed, strict=True)]
+    ax.bar(names, speed, color="tab:blue",  # error bars: min and max over the timing rounds
+           yerr=[[max(0.0, s - lo) for s, (lo, _) in zip(speed, spread, strict=True)],
+                 [max(0.0, hi - s) for s, (_, hi) in zip(speed, spread, strict=True)]], capsize=3)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("speedup vs HF generate")
     ax.set_title("speedup per mode")

@@ -30,31 +30,91 @@ def _default_bounds() -> dict:
     return {"max_repetition_increase": c.max_repetition_increase, "max_nll_increase": c.max_nll_increase}
 
 
-def target_rows(report: dict | None, total_s: float | None, bounds: dict | None = None) -> list[tuple]:
-    """(what, target, measured, met) for each target the run has the figures for."""
+def target_rows(report: dict | None, total_s: float | None, bounds: dict | None = None,
+                predictors: dict | None = None) -> list[tuple]:
+    """(what, target, measured, met) for each target the run has the figures for.
+
+    A mode whose speedup is beyond what its tau allows (flagged by mtp-eval, or found so here) never
+    meets a target, and clp whose predictor is not calibrated (`predictors`: clp.json per predictor
+    kind, used when the report does not say) or commits no more than greedy (tau <= 1.01) shows
+    "not calibrated (accepts nothing)", not met."""
     b = {**_default_bounds(), **(bounds or {})}
     modes = (report or {}).get("modes", {})
+    flagged = flagged_modes(report)
     rows = []
     if v := modes.get("verify"):
         same = v.get("identical_to_greedy")
+        note = ", speedup implausible (flagged)" if "verify" in flagged else ""
         rows.append(("verify: speedup vs HF generate, identical output", f">= {TARGETS['verify_speedup']}x",
-                     f"{v['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical"),
-                     bool(same) and v["speedup_vs_hf"] >= TARGETS["verify_speedup"]))
-        rows.append(("verify: tau", f">= {TARGETS['verify_tau']}", f"{v['tau']:.2f}", v["tau"] >= TARGETS["verify_tau"]))
+                     f"{v['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical") + note,
+                     bool(same) and v["speedup_vs_hf"] >= TARGETS["verify_speedup"] and not note))
+        rows.append(("verify: tau", f">= {TARGETS['verify_tau']}", f"{v['tau']:.2f}{note}",
+                     v["tau"] >= TARGETS["verify_tau"] and not note))
     ref = modes.get("greedy") or modes.get("hf_generate")
     if (c := modes.get("clp")) and ref:
-        d_rep = c["repetition_ratio"] - ref["repetition_ratio"]
-        d_nll = c["backbone_nll"] - ref["backbone_nll"]
-        within = d_rep <= b["max_repetition_increase"] + 1e-9 and d_nll <= b["max_nll_increase"] + 1e-9
-        rows.append(("clp: speedup within its quality bounds",
-                     f">= {TARGETS['clp_speedup']}x, repetition <= greedy + {b['max_repetition_increase']}, "
-                     f"NLL <= greedy + {b['max_nll_increase']}",
-                     f"{c['speedup_vs_hf']:.2f}x, repetition {d_rep:+.3f}, NLL {d_nll:+.3f} (tau {c['tau']:.2f})",
-                     within and c["speedup_vs_hf"] >= TARGETS["clp_speedup"]))
+        what = "clp: speedup within its quality bounds"
+        want = (f">= {TARGETS['clp_speedup']}x, repetition <= greedy + {b['max_repetition_increase']}, "
+                f"NLL <= greedy + {b['max_nll_increase']}")
+        if accepts_nothing(report, "clp", predictors):
+            rows.append((what, want, "not calibrated (accepts nothing)", False))
+        else:
+            d_rep = c["repetition_ratio"] - ref["repetition_ratio"]
+            d_nll = c["backbone_nll"] - ref["backbone_nll"]
+            within = d_rep <= b["max_repetition_increase"] + 1e-9 and d_nll <= b["max_nll_increase"] + 1e-9
+            note = ", speedup implausible (flagged)" if "clp" in flagged else ""
+            rows.append((what, want, f"{c['speedup_vs_hf']:.2f}x, repetition {d_rep:+.3f}, NLL {d_nll:+.3f} "
+                         f"(tau {c['tau']:.2f}){note}",
+                         within and c["speedup_vs_hf"] >= TARGETS["clp_speedup"] and not note))
     if total_s:
         rows.append(("the whole demo", f"<= {TARGETS['minutes']:.0f} min", _minutes(total_s),
                      total_s <= 60 * TARGETS["minutes"]))
     return rows
+
+
+SPAN_MODES = {"clp": "clp", "clp+verify": "clp", "gate": "gate"}  # mode -> its predictor's kind
+
+
+def accepts_nothing(report: dict | None, mode: str, predictors: dict | None = None) -> bool:
+    """Whether a clp, gate or clp+verify run committed nothing beyond greedy: its predictor is not
+    calibrated (the eval report's record of it, else that kind's clp.json in `predictors`), or its
+    measured tau is <= 1.01."""
+    m = ((report or {}).get("modes") or {}).get(mode)
+    if m is None or mode not in SPAN_MODES:
+        return False
+    if m["tau"] <= 1.01:
+        return True
+    calibrated = (((report or {}).get("predictors") or {}).get(mode) or {}).get("calibrated")
+    if calibrated is None:
+        calibrated = ((predictors or {}).get(SPAN_MODES[mode]) or {}).get("calibrated")
+    return calibrated is False
+
+
+def flagged_modes(report: dict | None) -> set[str]:
+    """Modes whose speedup over HF is beyond what their tau allows: listed in the report's flags,
+    or above the bound (recomputed from tau and greedy's speedup for a report without one)."""
+    from mtp_train.evaluate import plausible_max_speedup
+
+    report = report or {}
+    modes, details = report.get("modes") or {}, report.get("details") or {}
+    out = {f.split(":", 1)[0] for f in report.get("flags") or []}
+    greedy = (modes.get("greedy") or {}).get("speedup_vs_hf")
+    for name, m in modes.items():
+        if name in ("hf_generate", "greedy"):
+            continue
+        bound = (details.get(name) or {}).get("plausible_max_speedup")
+        if bound is None and report.get("k") != 0:  # a report from before the bound was recorded
+            bound = plausible_max_speedup(m["tau"], greedy)
+        if bound is not None and m["speedup_vs_hf"] > bound:
+            out.add(name)
+    return out
+
+
+def _predictor_metas(clp_root: Path) -> dict:
+    return {kind: m for kind in ("clp", "gate") if (m := _json(clp_root / kind / "clp.json"))}
+
+
+_PROMPT_SOURCES = {"validation": "held-out prompts", "file": "prompts from eval.prompts",
+                   "unseen": "unseen prompts (conversations the data stage never took)"}
 
 
 def _fmt(x, nd: int = 3) -> str:
@@ -176,7 +236,7 @@ def write_report(run_root: str | Path) -> Path:
     total = sum(v for v in times.values() if v)
     md += [f"| total | {_minutes(total)} |", ""]
     bounds = (_json(clp / "clp" / "clp.json") or {}).get("bounds")
-    if rows := target_rows(report, total, bounds):
+    if rows := target_rows(report, total, bounds, _predictor_metas(clp)):
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
         md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
         md.append("")
@@ -186,18 +246,29 @@ def write_report(run_root: str | Path) -> Path:
         md += ["## Training", "", f"![training curves]({png.name})", ""]
 
     if report:
+        from mtp_train.evaluate import format_speedup
+
+        rounds = report.get("rounds", 1)
         md += ["## Decoding", "",
-               f"{next(iter(report['modes'].values())).get('n_prompts', '?')} held-out prompts, {report.get('max_new_tokens')} new tokens; "
-               f"speedup is tokens/s against HF `generate` greedy on the same prompts in the same run "
-               f"(step cost {_fmt(report.get('step_cost'), 2)}).", "",
+               f"{next(iter(report['modes'].values())).get('n_prompts', '?')} {_PROMPT_SOURCES.get(report.get('prompt_source'), 'held-out prompts')}, "
+               f"{report.get('max_new_tokens')} new tokens; speedup is HF `generate` greedy's wall time over the mode's on "
+               f"the same prompts in the same run"
+               + (f", the median of {rounds} timing rounds (min-max in brackets)" if rounds > 1 else "")
+               + f" (step cost {_fmt(report.get('step_cost'), 2)}).", "",
                "| mode | speedup | tokens/s | tau | alpha per depth | greedy match | repetition | backbone NLL |",
                "|---|---|---|---|---|---|---|---|"]
         for mode, r in report["modes"].items():
             alpha = " / ".join(_fmt(a, 2) for a in r.get("alpha") or []) or "-"
-            md.append(f"| {mode} | {_fmt(r['speedup_vs_hf'], 2)}x | {_fmt(r['tokens_per_s'], 1)} | "
+            md.append(f"| {mode} | {format_speedup(r, (report.get('details') or {}).get(mode))} | "
+                      f"{_fmt(r['tokens_per_s'], 1)} | "
                       f"{_fmt(r['tau'], 2)} | {alpha} | {_fmt(r['greedy_match_rate'], 2)} | "
                       f"{_fmt(r['repetition_ratio'])} | {_fmt(r['backbone_nll'])} |")
         md.append("")
+        if flags := report.get("flags"):
+            md += ["**Flags** (a step costs at least one backbone forward, so no mode can beat HF by more "
+                   "than 1.15 x tau x our greedy's speedup; these speedups do not measure the mode):", ""]
+            md += [f"- {line}" for line in flags]
+            md.append("")
         for name in ("speedup.png", "acceptance.png"):
             if (ev / name).is_file():
                 md.append(f"![{name[:-4]}](eval/{name})")
@@ -238,11 +309,15 @@ def summary(run_root: str | Path) -> str:
     report = _json(Path(run_root) / "eval" / "eval_report.json")
     if not report:
         return "no evaluation yet"
-    lines = [f"  {mode:<12} {r['speedup_vs_hf']:.2f}x  tau {r['tau']:.2f}  "
+    from mtp_train.evaluate import format_speedup
+
+    lines = [f"  {mode:<12} {format_speedup(r, (report.get('details') or {}).get(mode))}  tau {r['tau']:.2f}  "
              f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}" for mode, r in report["modes"].items()]
-    bounds = (_json(Path(run_root) / "clp" / "clp" / "clp.json") or {}).get("bounds")
+    lines += [f"  flag: {line}" for line in report.get("flags") or []]
+    clp = Path(run_root) / "clp"
+    bounds = (_json(clp / "clp" / "clp.json") or {}).get("bounds")
     lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"
-              for what, want, got, met in target_rows(report, None, bounds)]
+              for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp))]
     return "\n".join(lines)
 
 

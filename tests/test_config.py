@@ -74,10 +74,13 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("train.batch_size=0", "train.batch_size"),
     ("train.data_use=web", "train.data_use"),
     ("data.max_length=3", "heads.k"),  # k=3 leaves no target in 3 tokens
+    ("eval.rounds=0", "eval.rounds"),
+    ("eval.prompt_source=train", "eval.prompt_source"),
+    ("eval.prompt_source=unseen eval.prompts=p.jsonl", "eval.prompt_source"),
 ])
 def test_bad_values_are_rejected_naming_the_key(typed_cfg, override, key):
     with pytest.raises(ConfigError) as err:
-        typed_cfg(override)
+        typed_cfg(*override.split())
     assert str(err.value).startswith(key), str(err.value)
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mtp_train.config import HeadsConfig
-from mtp_train.decoding import CostPolicy, Decoder, EntropyPolicy
+from mtp_train.decoding import CostPolicy, Decoder, DynamicTree, EntropyPolicy
 from mtp_train.heads import build_heads
+from mtp_train.trees import TreeShape
 
 K = 3
 
@@ -97,23 +98,184 @@ def test_verify_is_identical_to_greedy_with_random_heads(tiny_backbone, typ, dra
 
 def test_chained_drafts_equal_the_teacher_forced_heads(tiny_backbone):
     """Module caches stay exact: each step's drafts are what the training-time forward predicts on
-    the final sequence, wherever the drafts before them were accepted."""
+    the final sequence, wherever the drafts before them were accepted: for a chain and for a tree
+    (node (r_1..r_j) under an accepted path is head j's r_j-th candidate, teacher-forced)."""
     bb = tiny_backbone
     heads = _random_heads(bb, "chained", seed=4)
     dec = Decoder(bb, heads, eos_ids=[])
+    shape = TreeShape.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)])
     checked = 0
-    for prompt in _prompts(6, seed=2):
-        out = dec.generate(prompt, 30, "verify", trace=True)
-        seq = torch.tensor([prompt + out.tokens])
-        with torch.no_grad():
-            h = bb.hidden_states(seq)
-            tf = heads.project(heads(h, seq, bb.embed_tokens), bb.lm_head).argmax(-1)[0]  # (T, k)
-        for p, drafts, kept in out.trace:
-            # depth j (1-based) read drafts 1..j-1 as inputs: exact where they were all kept
-            for j in range(min(len(drafts), kept + 1)):
-                assert drafts[j] == int(tf[p, j]), (p, j)
-                checked += 1
-    assert checked > 20
+    for tree in (None, shape):
+        for prompt in _prompts(5, seed=2):
+            out = dec.generate(prompt, 30, "verify", tree=tree, trace=True)
+            seq = torch.tensor([prompt + out.tokens])
+            with torch.no_grad():
+                h = bb.hidden_states(seq)
+                logits = heads.project(heads(h, seq, bb.embed_tokens), bb.lm_head)[0]  # (T, k, V)
+                order = logits.argsort(-1, descending=True)
+            for p, tokens, parents, path, ranks in out.trace:
+                for v, tok in enumerate(tokens):
+                    anc = [] if parents[v] < 0 else [parents[v]]
+                    while anc and parents[anc[-1]] >= 0:
+                        anc.append(parents[anc[-1]])
+                    if all(a in path for a in anc):  # its inputs are committed tokens
+                        j = len(ranks[v])
+                        assert tok == int(order[p, j - 1, ranks[v][-1]]), (p, v)
+                        checked += 1
+    assert checked > 60
+
+
+class PlantedDrafter:
+    """A tree drafter that knows the true continuation: under a node whose path is all correct, the
+    true token gets rank ranks[j] among depth j's candidates (>= the vocabulary: absent); elsewhere
+    the candidates are arbitrary."""
+
+    def __init__(self, full: list[int], ranks_at, vocab: int, k: int):
+        self.full, self.ranks_at, self.vocab, self.k = full, ranks_at, vocab, k
+        self.to_tokens = lambda idx: idx
+
+    def reset(self):
+        pass
+
+    def begin(self, tokens, hidden):
+        self.N = len(tokens)
+        self.planted = self.ranks_at(self.N)
+
+    def level(self, j, expand, tree):
+        rows = []
+        for u in expand:
+            path = [] if u < 0 else tree.path_to(u)
+            correct = all(tree.tokens[v] == self._true(i) for i, v in enumerate(path))
+            order = [t for t in range(self.vocab) if t != self._true(j - 1)]
+            g = torch.Generator().manual_seed(1000 * self.N + 10 * j + len(path))
+            order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+            r = self.planted[j - 1]
+            if correct and r < self.vocab:
+                order.insert(r, self._true(j - 1))
+            else:
+                order.append(self._true(j - 1))
+            lp = torch.empty(self.vocab)
+            lp[torch.tensor(order)] = -torch.arange(self.vocab, dtype=torch.float)
+            rows.append(lp)
+        return torch.stack(rows)
+
+    def _true(self, i):
+        return self.full[self.N + i] if self.N + i < len(self.full) else 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_verify_is_greedy_and_accepts_exactly_the_planted_paths(tiny_backbone, seed):
+    """Static trees: the accepted length per step is max{m : (r_1..r_m) in tree} for the planted
+    ranks; dynamic trees and chains are lossless too; the cache length is exact."""
+    bb = tiny_backbone
+    prompt, new = _prompts(1, seed=seed + 10)[0], 40
+    ref = Decoder(bb, eos_ids=[]).generate(prompt, new, "greedy")
+    g = torch.Generator().manual_seed(seed)
+    table = {}
+
+    def ranks_at(N):
+        if N not in table:
+            table[N] = tuple(int(x) for x in torch.randint(0, 4, (K,), generator=g))
+        return table[N]
+
+    shape = TreeShape.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)])
+    paths = set(shape.paths)
+    for tree in (shape, TreeShape.chain(K), DynamicTree(nodes=12, topk=3, width=3)):
+        drafter = PlantedDrafter(prompt + ref.tokens, ranks_at, bb.vocab_size, K)
+        out = Decoder(bb, eos_ids=[], drafter=drafter).generate(prompt, new, "verify", tree=tree, trace=True)
+        assert out.tokens == ref.tokens
+        assert out.cache_length == len(prompt) + new - 1
+        if isinstance(tree, TreeShape):
+            tree_paths = set(tree.paths)
+            for (p, tokens, parents, path, _), kept in zip(out.trace, out.accept_lengths, strict=True):
+                planted = table.get(p + 2, (K,) * K)  # absent: the step drafted nothing
+                room = new - (p + 2 - len(prompt)) - 1  # drafts the token budget still allowed
+                want = 0
+                while want < min(K, room) and planted[: want + 1] in tree_paths:
+                    want += 1
+                assert kept - 1 == want, (p, planted, kept)
+    assert any(len(set(table[n][:1])) for n in table) and paths
+
+
+def test_kv_cache_equals_sequential_decoding_after_every_tree_step(tiny_backbone):
+    from transformers import DynamicCache
+
+    bb = tiny_backbone
+    checked = []
+
+    class Checking(Decoder):
+        def _commit(self, st, d, path, out, logits):
+            super()._commit(st, d, path, out, logits)
+            ref = DynamicCache()
+            self._forward(st.tokens[:-1], ref)
+            assert st.cache.get_seq_length() == ref.get_seq_length() == len(st.tokens) - 1
+            for a, b in zip(st.cache.layers, ref.layers, strict=True):
+                torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+            checked.append(len(path))
+
+    for typ in ("chained", "medusa"):
+        heads = _random_heads(bb, typ, seed=7)
+        dec = Checking(bb, heads, eos_ids=[])
+        shape = TreeShape.of([(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)])
+        for prompt in _prompts(3, seed=8):
+            dec.generate(prompt, 20, "verify", tree=shape)
+            dec.generate(prompt, 20, "verify", tree=DynamicTree(nodes=8, topk=2, width=2))
+    assert len(checked) > 20 and max(checked) >= 1  # some steps kept drafts off the first branch too
+
+
+def test_tree_forward_matches_a_slow_per_node_reference(tiny_backbone):
+    """Each node's backbone state in one tree forward equals a plain forward of prefix + its path."""
+    from transformers import DynamicCache
+
+    from mtp_train.trees import DraftTree, tree_attention_mask
+
+    bb = tiny_backbone
+    prompt = _prompts(1, seed=9)[0]
+    tree = DraftTree()
+    for tok, parent in [(5, -1), (6, -1), (7, 0), (8, 0), (9, 1), (10, 2), (11, 4)]:
+        tree.add(tok, parent, 0.0, 1.0)
+    dec = Decoder(bb, eos_ids=[])
+    with torch.no_grad():
+        cache = DynamicCache()
+        dec._forward(torch.tensor(prompt[:-1]), cache)
+        L = len(prompt) - 1
+        ids = torch.tensor([prompt[-1], *tree.tokens])
+        pos = torch.tensor([[L] + [L + x for x in tree.depths]])
+        mask = tree_attention_mask(tree.parents, L, torch.float32)
+        out = dec._forward(ids, cache, attention_mask=mask, position_ids=pos)
+        for v in range(tree.n):
+            seq = prompt + [tree.tokens[a] for a in tree.path_to(v)]
+            ref = bb.hidden_states(torch.tensor([seq]))[0, -1]
+            torch.testing.assert_close(out[1 + v], ref, atol=1e-5, rtol=1e-4)
+    # the mask itself, against its definition
+    for i in range(tree.n + 1):
+        for c in range(L + tree.n + 1):
+            node = c - L - 1
+            allowed = c <= L or (i > 0 and node in tree.path_to(i - 1))
+            assert (mask[0, 0, i, c] == 0) == allowed, (i, c)
+
+
+def test_bf16_decoding_equals_a_bf16_greedy_loop(tiny_backbone):
+    import copy
+
+    from transformers import DynamicCache
+
+    bb = copy.copy(tiny_backbone)
+    bb.model = copy.deepcopy(tiny_backbone.model).to(torch.bfloat16)
+    heads = _random_heads(tiny_backbone, "chained", seed=3).to(torch.bfloat16)
+    dec = Decoder(bb, heads, eos_ids=[])
+    shape = TreeShape.of([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    for prompt in _prompts(4, seed=11):
+        with torch.no_grad():  # the slow reference: one token per forward, bf16 throughout
+            cache, seq, out = DynamicCache(), list(prompt), []
+            logits = bb.model(torch.tensor([seq]), cache=cache, use_cache=True).logits[0, -1]
+            for _ in range(20):
+                out.append(int(logits.argmax()))
+                logits = bb.model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
+        g = dec.generate(prompt, 20, "greedy")
+        assert g.tokens == out
+        assert dec.generate(prompt, 20, "verify", tree=shape).tokens == out
 
 
 def test_eos_inside_an_accepted_draft_stops_where_greedy_stops(tiny_backbone):
@@ -138,16 +300,15 @@ def test_adaptive_drafts_fewer_heads_when_acceptance_is_low(tiny_backbone):
     for name, right in (("good", [True] * K), ("bad", [False] * K)):
         drafter = ScriptedDrafter(prompt + ref.tokens, right, bb.vocab_size)
         out = Decoder(bb, eos_ids=[], drafter=drafter).generate(
-            prompt, 40, "adaptive", depth_policy=CostPolicy(K, cost))
+            prompt, 40, "adaptive", depth_policy=CostPolicy.chains(K, cost))
         assert out.tokens == ref.tokens  # adaptive verifies: still lossless
         counts[name] = sum(out.drafted[5:]) / len(out.drafted[5:])
     assert counts["bad"] < 0.5 <= K - 0.5 <= counts["good"]
-    ent = EntropyPolicy(K, low=0.5, high=3.0)
-    ent.update(K, 0, entropy=0.0)
-    assert ent.choose() == K
-    for _ in range(6):
-        ent.update(K, 0, entropy=5.0)
-    assert ent.choose() == 0
+    ent = EntropyPolicy.chains(K, low=0.5, high=3.0)
+    ent.update(None, (), entropy=0.0)
+    assert ent.choose().n == K
+    ent.update(None, (), entropy=5.0)
+    assert ent.choose().n == 0
 
 
 def test_bad_mode_arguments_are_refused(tiny_backbone):
@@ -158,21 +319,23 @@ def test_bad_mode_arguments_are_refused(tiny_backbone):
         dec.generate([5, 6], 4, "beam")
 
 
-def test_small_batch_linears_compute_the_same_and_are_undone():
+def test_routed_linears_compute_the_same_in_either_layout_and_are_undone():
     from torch import nn
 
-    from mtp_train.decoding import small_batch_linears, small_mm
+    from mtp_train.decoding import ROW_BUCKETS, MatmulPlan, routed_linears
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5, bias=False))
-    for shape in [(1, 8), (3, 8), (2, 4, 8), (40, 8)]:  # one row, a few, batched, beyond SMALL_ROWS
-        x = torch.randn(*shape)
-        ref = net(x)
-        with small_batch_linears(net), torch.no_grad():
-            got = net(x)
-            assert "forward" in vars(net[0])  # patched on the instance
-        torch.testing.assert_close(got, ref.detach())
-    assert "forward" not in vars(net[0]) and "forward" not in vars(net[2])
-    w = torch.randn(7, 8)
-    x = torch.randn(3, 8)
-    torch.testing.assert_close(small_mm(x, w), x @ w.T)
+    for use_t in (False, True):
+        plan = MatmulPlan({MatmulPlan.key(m.weight): [use_t] * len(ROW_BUCKETS) for m in (net[0], net[2])})
+        for shape in [(1, 8), (3, 8), (2, 4, 8), (200, 8)]:  # one row, a few, batched, beyond the buckets
+            x = torch.randn(*shape)
+            ref = net(x)
+            with routed_linears(plan, net), torch.no_grad():
+                got = net(x)
+                assert "forward" in vars(net[0])  # patched on the instance
+            torch.testing.assert_close(got, ref.detach())
+        assert "forward" not in vars(net[0]) and "forward" not in vars(net[2])
+    measured = MatmulPlan.measure([net[0].weight], reps=1)
+    assert len(measured.choices[MatmulPlan.key(net[0].weight)]) == len(ROW_BUCKETS)
+    assert measured.choices[MatmulPlan.key(net[0].weight)][0] is False  # one row: always F.linear

@@ -86,6 +86,17 @@ def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_head
     assert math.isclose(saved["modes"]["hf_generate"]["speedup_vs_hf"], 1.0)
     assert (root / "eval" / "speedup.png").stat().st_size > 0 and (root / "eval" / "acceptance.png").is_file()
     assert report["modes"]["verify"] == v
+    # timing rounds (eval.rounds defaults to 3): medians, spreads, a plausibility bound per drafting mode
+    assert saved["rounds"] == 3 and saved["prompt_source"] == "validation" and isinstance(saved["flags"], list)
+    for name, d in saved["details"].items():
+        assert len(d["wall_s_rounds"]) == len(d["speedup_rounds"]) == 3, name
+        assert d["speedup_spread"] == [min(d["speedup_rounds"]), max(d["speedup_rounds"])]
+        assert saved["modes"][name]["speedup_vs_hf"] == pytest.approx(sorted(d["speedup_rounds"])[1])
+        assert d["nondeterministic"] is False
+        assert (d["plausible_max_speedup"] is None) == (name in ("hf_generate", "greedy")), name
+    assert saved["details"]["hf_generate"]["speedup_rounds"] == [1.0, 1.0, 1.0]
+    g = saved["modes"]["greedy"]["speedup_vs_hf"]
+    assert saved["details"]["verify"]["plausible_max_speedup"] == pytest.approx(1.15 * v["tau"] * max(1.0, g))
 
 
 def test_eval_bad_inputs_name_the_problem(trained_heads, tmp_path):
@@ -193,8 +204,8 @@ def _check_pipeline_report(root, report):
 
     page = write_report(root).read_text()
     assert "heads: chained, k = 2" in page
-    verify_free = report["modes"]["clp"]
-    assert f"| clp | {verify_free['speedup_vs_hf']:.2f}x |" in page
+    verify_free, spread = report["modes"]["clp"], report["details"]["clp"]["speedup_spread"]
+    assert f"| clp | {verify_free['speedup_vs_hf']:.2f}x ({spread[0]:.2f}-{spread[1]:.2f}) |" in page
     assert "| clp | 195 |" in page.replace(",", "")  # the predictor table: 64 * 3 + 3 parameters
     assert "## Sample outputs" in page and "*clp*:" in page
     assert "| train |" in page and "| clp |" in page
@@ -247,7 +258,7 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
             top.append(backbone.logits(h).argmax(-1).numpy())
         hidden.append(h.numpy())
         rows.append({"input_ids": ids.tolist(), "labels": [IGNORE] * len(prompt) + res.tokens})
-        decoded.update({(i, p): kept for p, drafts, kept in res.trace
+        decoded.update({(i, p): len(path) for p, drafts, _, path, _ in res.trace
                         if len(drafts) == heads.k and p + heads.k + 1 < len(ids)})
 
     class ArrayCache:
@@ -289,3 +300,295 @@ def test_report_targets_say_met_only_when_every_condition_holds():
     assert [met for *_, met in rows] == [False, True, False, False]
     assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2]
     assert target_rows(bad, None, {"max_repetition_increase": 0.06})[2][3] is True  # the run's own bounds
+
+
+# ---------------------------------------------------------------------------------------------------
+# timing rounds, the plausibility bound, prompts the project has never seen
+
+
+def _result(tokens, accept_lengths):
+    from mtp_train.decoding import DecodeResult
+
+    return DecodeResult(tokens=tokens, steps=len(accept_lengths), accept_lengths=accept_lengths,
+                        reached=[len(accept_lengths), 1], accepted=[1, 0])
+
+
+def test_summarise_takes_the_median_over_rounds_and_reports_the_spread():
+    from mtp_train.evaluate import summarise
+
+    outs = [[1, 2, 3, 4], [5, 6]]
+    res = [_result(outs[0], [2, 2]), _result(outs[1], [1, 1])]
+    rep, det = summarise("verify", outs, res, [2.0, 1.0, 4.0], [2.0, 2.0, 2.0], None, [0.5, 0.5], 2,
+                         round_tokens=[6, 6, 8])
+    assert det["speedup_rounds"] == [1.0, 2.0, 0.5] and rep["speedup_vs_hf"] == 1.0  # median, not mean
+    assert det["speedup_spread"] == [0.5, 2.0] and det["wall_s_rounds"] == [2.0, 1.0, 4.0]
+    assert rep["tokens_per_s"] == 3.0 and det["wall_s"] == 2.0  # medians of [3, 6, 2] and of the walls
+    assert rep["tau"] == 6 / 4 and rep["new_tokens"] == 6 and det["accept_hist"] == [2, 2, 0]
+    one, d1 = summarise("greedy", outs, [], 3.0, 6.0, None, [0.5, 0.5], 2)  # plain numbers: one round
+    assert one["speedup_vs_hf"] == 2.0 and d1["speedup_rounds"] == [2.0] and one["tokens_per_s"] == 2.0
+    with pytest.raises(ValueError, match="rounds"):
+        summarise("x", outs, [], [1.0, 1.0], [1.0], None, [0.5, 0.5], 2)
+
+
+def test_plausibility_bound_flags_speedups_beyond_what_tau_allows():
+    from mtp_train.evaluate import plausibility_flags
+
+    def report(**speed_tau):
+        modes = {n: {"speedup_vs_hf": s, "tau": t} for n, (s, t) in speed_tau.items()}
+        return {"k": 3, "modes": {"hf_generate": {"speedup_vs_hf": 1.0, "tau": 1.0}, **modes},
+                "details": {n: {"accept_hist": None if n == "hf_generate" else [1]} for n in ["hf_generate", *modes]}}
+
+    r = report(clp=(4.33, 1.0), verify=(1.2, 1.1))  # no greedy: the bound uses 1.0 for it
+    assert plausibility_flags(r) == ["clp: speedup 4.33x exceeds what tau 1.00 allows (<= 1.15x); "
+                                     "the machine was probably loaded"]
+    assert r["details"]["clp"]["plausible_max_speedup"] == pytest.approx(1.15)
+    assert r["details"]["verify"]["plausible_max_speedup"] == pytest.approx(1.15 * 1.1)
+    assert r["details"]["hf_generate"]["plausible_max_speedup"] is None
+    # our greedy 1.3x faster than HF: a mode at tau 2 may reach 1.15 * 2 * 1.3 = 2.99x
+    r = report(greedy=(1.3, 1.0), verify=(2.95, 2.0), relaxed=(3.1, 2.0))
+    assert [f.split(":")[0] for f in plausibility_flags(r)] == ["relaxed"]
+    assert r["details"]["greedy"]["plausible_max_speedup"] is None
+    r = report(greedy=(0.5, 1.0), verify=(1.16, 1.0))  # a slow greedy does not lower the bound below tau
+    assert plausibility_flags(r) == ["verify: speedup 1.16x exceeds what tau 1.00 allows (<= 1.15x); "
+                                     "the machine was probably loaded"]
+
+
+def _decoding_log(monkeypatch):
+    """Record HF generate's and the decoder's calls in order (warm-up included) as mode names."""
+    import mtp_train.evaluate as evaluate_mod
+    from mtp_train.decoding import Decoder
+
+    calls = []
+    hf, gen = evaluate_mod.hf_generate, Decoder.generate
+
+    def logged_hf(*a, **k):
+        calls.append("hf_generate")
+        return hf(*a, **k)
+
+    def logged_gen(self, prompt, max_new_tokens, mode="greedy", **opts):
+        calls.append(mode)
+        return gen(self, prompt, max_new_tokens, mode, **opts)
+
+    monkeypatch.setattr(evaluate_mod, "hf_generate", logged_hf)
+    monkeypatch.setattr(Decoder, "generate", logged_gen)
+    return calls
+
+
+def _tiny_run(root):
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.heads import load_heads
+
+    cfg = _eval_cfg(root, "eval.modes=[greedy,verify]", "eval.warmup=0", "eval.rounds=2")
+    backbone = load_backbone(cfg.backbone)
+    heads, _ = load_heads(root / "train", backbone)
+    return cfg, backbone, heads, held_out_prompts(labelled_dir(cfg))[:3]
+
+
+def test_rounds_rotate_the_order_so_no_mode_always_runs_first(trained_heads, monkeypatch):
+    from mtp_train.evaluate import round_order, run_modes
+
+    cfg, backbone, heads, prompts = _tiny_run(trained_heads)
+    calls = _decoding_log(monkeypatch)
+    report, outputs = run_modes(backbone, heads, prompts, cfg.eval)
+    names = ["hf_generate", "greedy", "verify"]
+    assert len(calls) == 2 * 3 * 3  # 2 rounds x 3 prompts x (HF + 2 modes), no warm-up
+    chunks = [calls[i: i + 3] for i in range(0, len(calls), 3)]
+    expected = [round_order(names, i, r) for r in range(2) for i in range(3)]
+    assert chunks == expected
+    assert {c[0] for c in chunks} == set(names)  # each of them runs first somewhere
+    assert [c[0] for c in chunks[:3]] != [c[0] for c in chunks[3:]]  # and the rounds differ
+    for r in range(2):
+        for i in range(3):
+            assert sorted(round_order(names, i, r)) == sorted(names)
+    for d in report["details"].values():
+        assert len(d["wall_s_rounds"]) == 2 and all(w > 0 for w in d["wall_s_rounds"])
+        assert d["nondeterministic"] is False
+    assert report["rounds"] == 2 and report["details"]["hf_generate"]["speedup_rounds"] == [1.0, 1.0]
+    assert outputs["verify"] == outputs["greedy"] and len(outputs["hf_generate"]) == 3
+
+
+def test_a_later_round_that_decodes_other_tokens_is_marked_nondeterministic(trained_heads, monkeypatch):
+    from mtp_train.decoding import Decoder
+    from mtp_train.evaluate import run_modes
+
+    cfg, backbone, heads, prompts = _tiny_run(trained_heads)
+    gen, seen = Decoder.generate, set()
+
+    def flaky_verify(self, prompt, max_new_tokens, mode="greedy", **opts):
+        res = gen(self, prompt, max_new_tokens, mode, **opts)
+        key = (mode, tuple(prompt))
+        if mode == "verify" and key in seen:  # the second time verify decodes a prompt: other tokens
+            res.tokens = res.tokens[:-1] + [(res.tokens[-1] + 1) % 100]
+        seen.add(key)
+        return res
+
+    monkeypatch.setattr(Decoder, "generate", flaky_verify)
+    report, outputs = run_modes(backbone, heads, prompts, cfg.eval)
+    assert report["details"]["verify"]["nondeterministic"] is True
+    assert report["details"]["greedy"]["nondeterministic"] is False
+    assert report["modes"]["verify"]["identical_to_greedy"] is True  # outputs are round 1's
+    assert outputs["verify"] == outputs["greedy"]
+
+
+def _mode(speed, tau, rep=0.2, nll=0.6, same=True):
+    return {"speedup_vs_hf": speed, "tau": tau, "repetition_ratio": rep, "backbone_nll": nll,
+            "identical_to_greedy": same}
+
+
+def test_report_targets_never_met_by_a_flagged_mode_or_an_uncalibrated_predictor():
+    from mtp_train.report import target_rows
+
+    good = {"modes": {"greedy": _mode(1.0, 1.0), "verify": _mode(1.5, 2.0), "clp": _mode(1.45, 1.8, 0.21, 0.65)}}
+    assert [met for *_, met in target_rows(good, None)] == [True, True, True]
+    # verify at 3x with tau 2 on a machine where greedy is HF's speed: beyond 1.15 * 2 = 2.3x
+    loaded = {"modes": {**good["modes"], "verify": _mode(3.0, 2.0)},
+              "flags": ["verify: speedup 3.00x exceeds what tau 2.00 allows (<= 2.30x); the machine was probably loaded"]}
+    rows = target_rows(loaded, None)
+    assert [met for *_, met in rows] == [False, False, True] and "flagged" in rows[0][2]
+    loaded.pop("flags")  # a report without flags: the bound is recomputed
+    assert [met for *_, met in target_rows(loaded, None)] == [False, False, True]
+    fast_clp = {"modes": {**good["modes"], "clp": _mode(4.33, 1.5, 0.2, 0.6)}}
+    assert target_rows(fast_clp, None)[2][3] is False
+    # clp whose predictor is not calibrated, or that commits nothing beyond greedy: never met
+    uncal = {**good, "predictors": {"clp": {"parameters": 195, "tau": 1.0, "calibrated": False}}}
+    rows = target_rows(uncal, None)
+    assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
+    meta_says = target_rows(good, None, predictors={"clp": {"calibrated": False}})  # clp.json
+    assert meta_says[2][2] == "not calibrated (accepts nothing)" and meta_says[2][3] is False
+    assert target_rows(good, None, predictors={"clp": {"calibrated": True}})[2][3] is True
+    idle = {"modes": {**good["modes"], "clp": _mode(1.45, 1.005)},
+            "predictors": {"clp": {"calibrated": True}}}
+    rows = target_rows(idle, None)
+    assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
+
+
+def test_report_page_shows_spread_and_flags_and_summary_says_not_met(tmp_path):
+    from mtp_train.report import summary, write_report
+
+    def details(rounds, bound):
+        return {"speedup_rounds": rounds, "speedup_spread": [min(rounds), max(rounds)],
+                "wall_s_rounds": [1.0] * len(rounds), "plausible_max_speedup": bound, "accept_hist": [1]}
+
+    modes = {"hf_generate": _mode(1.0, 1.0), "greedy": _mode(1.0, 1.0), "verify": _mode(1.21, 1.9),
+             "clp": _mode(4.33, 1.5)}
+    for m in modes.values():
+        m.update(tokens_per_s=10.0, alpha=[0.5], greedy_match_rate=1.0, n_prompts=2, new_tokens=20)
+    flag = "clp: speedup 4.33x exceeds what tau 1.50 allows (<= 1.73x); the machine was probably loaded"
+    report = {"modes": modes, "k": 1, "step_cost": 1.05, "sim_tau": None, "rounds": 3, "flags": [flag],
+              "prompt_source": "unseen", "max_new_tokens": 10, "elapsed_s": 5.0,
+              "predictors": {"clp": {"parameters": 195, "tau": 0.5, "calibrated": True}},
+              "details": {"hf_generate": details([1.0, 1.0, 1.0], None), "greedy": details([0.9, 1.0, 1.1], None),
+                          "verify": details([1.15, 1.21, 1.30], 2.19), "clp": details([4.0, 4.33, 4.5], 1.725)}}
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    page = write_report(tmp_path).read_text()
+    assert "| verify | 1.21x (1.15-1.30) |" in page and "| hf_generate | 1.00x (1.00-1.00) |" in page
+    assert f"- {flag}" in page and "unseen prompts" in page and "median of 3 timing rounds" in page
+    assert "(tau 1.50), speedup implausible (flagged) | **no** |" in page
+    text = summary(tmp_path)
+    assert f"flag: {flag}" in text and "1.21x (1.15-1.30)" in text
+    assert "target NOT met: clp" in text and "target met: clp" not in text
+    # an uncalibrated clp.json next to the report: "not calibrated (accepts nothing)", never met
+    (tmp_path / "clp" / "clp").mkdir(parents=True)
+    (tmp_path / "clp" / "clp" / "clp.json").write_text(json.dumps({"tau": 1.0, "calibrated": False}))
+    report["predictors"] = {}
+    report["flags"], report["modes"]["clp"] = [], _mode(1.5, 1.3) | {"tokens_per_s": 1.0, "alpha": [0.2],
+                                                                      "greedy_match_rate": 0.5}
+    report["details"]["clp"]["plausible_max_speedup"] = 1.5
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    assert "not calibrated (accepts nothing) | **no** |" in write_report(tmp_path).read_text()
+    assert "target NOT met: clp: speedup within its quality bounds" in summary(tmp_path)
+
+
+def test_print_table_shows_the_spread_and_the_flags(capsys):
+    from mtp_train.evaluate import format_speedup, print_table
+
+    m = _mode(1.21, 1.9) | {"tokens_per_s": 10.0, "alpha": [0.5], "greedy_match_rate": 1.0}
+    report = {"k": 1, "step_cost": 1.0, "modes": {"verify": m}, "rounds": 3,
+              "details": {"verify": {"speedup_rounds": [1.15, 1.21, 1.3], "speedup_spread": [1.15, 1.3]}},
+              "flags": ["verify: speedup 9.99x exceeds what tau 1.00 allows (<= 1.15x); the machine was probably loaded"]}
+    assert format_speedup(m, report["details"]["verify"]) == "1.21x (1.15-1.30)"
+    assert format_speedup(m, {"speedup_rounds": [1.21], "speedup_spread": [1.21, 1.21]}) == "1.21x"
+    print_table(report)
+    out = capsys.readouterr().out
+    assert "1.21x (1.15-1.30)" in out and "the machine was probably loaded" in out
+
+
+def test_prompt_messages_stop_before_the_first_answer_and_need_a_user_turn():
+    from mtp_train.evaluate import prompt_messages
+
+    sys_, user, ans = ({"role": r, "content": r} for r in ("system", "user", "assistant"))
+    assert prompt_messages([sys_, user, ans, user, ans]) == [sys_, user]
+    assert prompt_messages([user]) == [user]  # prompt-only
+    assert prompt_messages([sys_, ans, user]) is None and prompt_messages([ans, user, ans]) is None
+
+
+def test_unseen_prompts_on_the_tiny_data_source_are_an_error_naming_the_key(trained_heads):
+    from mtp_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^eval.prompt_source: there are no unseen conversations"):
+        run_eval(_eval_cfg(trained_heads, "eval.prompt_source=unseen"))
+
+
+def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_path, monkeypatch):
+    import random
+
+    import mtp_train.data.template as template_mod
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.eval import eval_key, select_prompts
+    from mtp_train.cli.prep import labelled_dir, run_prep
+    from mtp_train.data.template import render_prompt
+    from mtp_train.evaluate import dataset_ids
+
+    rows = []
+    for i in range(14):
+        msgs = [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]
+        if i % 3 == 0:
+            msgs = [{"role": "system", "content": "Be brief."}, *msgs,
+                    {"role": "user", "content": "And times two?"}, {"role": "assistant", "content": f"{4 * i}."}]
+        rows.append({"id": f"conv-{i}", "messages": msgs})
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def cfg_of(*extra):
+        from hydra import compose, initialize_config_dir
+
+        from mtp_train.cli.common import CONF_DIR
+        from mtp_train.config import validate
+
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return validate(compose("config", overrides=[
+                f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/eval", "backbone=tiny", "logger=none",
+                "data=jsonl", f"data.path={src}", "data.max_conversations=8", "data.max_length=256",
+                "eval.max_new_tokens=8", "eval.modes=[greedy]", "eval.rounds=1", *extra]))
+
+    run_prep(cfg_of("stage=data"))
+    seen = dataset_ids(labelled_dir(cfg_of()))
+    assert len(seen) == 8 and seen < {r["id"] for r in rows}
+    backbone = load_backbone(cfg_of().backbone)
+    tok = backbone.tokenizer
+    unseen = [r for r in rows if r["id"] not in seen]  # source order, then the seeded shuffle
+    random.Random(0).shuffle(unseen)
+    expected = [render_prompt(tok, r["messages"][: next(i for i, m in enumerate(r["messages"])
+                                                        if m["role"] == "assistant")]) for r in unseen]
+    prompts, skipped = select_prompts(cfg_of("eval.prompt_source=unseen", "eval.n_prompts=null"), backbone)
+    assert prompts == expected and len(prompts) == 6 and skipped == 0
+    assert not {tuple(p) for p in prompts} & {tuple(p) for p in select_prompts(cfg_of(), backbone)[0]}
+    # only as many as needed are rendered; another seed, another order
+    rendered = []
+    real = template_mod.render_prompt
+    monkeypatch.setattr(template_mod, "render_prompt", lambda t, m: rendered.append(m) or real(t, m))
+    two, _ = select_prompts(cfg_of("eval.prompt_source=unseen", "eval.n_prompts=2"), backbone)
+    assert two == expected[:2] and len(rendered) == 2
+    monkeypatch.setattr(template_mod, "render_prompt", real)
+    other, _ = select_prompts(cfg_of("eval.prompt_source=unseen", "eval.n_prompts=null", "seed=1"), backbone)
+    assert sorted(other) == sorted(expected) and other != expected
+    assert eval_key(cfg_of("eval.prompt_source=unseen")) != eval_key(cfg_of())
+    # mtp-eval end to end: the report names the source; outputs.json holds exactly these prompts
+    report = run_eval(cfg_of("eval.prompt_source=unseen", "eval.n_prompts=3"))
+    assert report["prompt_source"] == "unseen" and report["modes"]["greedy"]["n_prompts"] == 3
+    saved = json.loads((tmp_path / "eval" / "outputs.json").read_text())
+    assert [r["prompt"] for r in saved] == [tok.decode(p) for p in expected[:3]]

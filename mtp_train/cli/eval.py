@@ -3,6 +3,7 @@
   mtp-eval eval.heads=runs/demo/train                                  # greedy + verify
   mtp-eval eval.heads=runs/demo/train eval.modes=[greedy,verify,relaxed,adaptive]
   mtp-eval eval.heads=... eval.prompts=my_prompts.jsonl eval.n_prompts=null
+  mtp-eval eval.heads=... eval.prompt_source=unseen eval.rounds=5   # prompts the data stage never took
 
 Writes eval_report.json, outputs.json (every mode's text per prompt), speedup.png and
 acceptance.png into the run directory, prints the table, and logs the same to W&B with logger=wandb.
@@ -30,17 +31,48 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
     e = cfg.eval
     if e.prompts:
         prompts = load_prompts_jsonl(Path(e.prompts), backbone.tokenizer)
+    elif e.prompt_source == "unseen":
+        prompts = unseen_prompts(cfg, backbone.tokenizer)
     else:
         prompts = held_out_prompts(labelled_dir(cfg))
     context = getattr(backbone.config, "max_position_embeddings", None) or 10**9
-    keep = [p for p in prompts if len(p) <= e.max_prompt_tokens and len(p) + e.max_new_tokens <= context]
-    skipped = len(prompts) - len(keep)
+    lazy = not e.prompts and e.prompt_source == "unseen"  # rendered one by one: stop at n_prompts
+    keep, skipped = [], 0
+    for p in prompts:
+        if len(p) <= e.max_prompt_tokens and len(p) + e.max_new_tokens <= context:
+            keep.append(p)
+            if lazy and e.n_prompts and len(keep) == e.n_prompts:
+                break
+        else:
+            skipped += 1
     if skipped:
         log.warning("%d prompt(s) longer than eval.max_prompt_tokens=%d or the context (%d) skipped",
                     skipped, e.max_prompt_tokens, context)
     if not keep:
         raise ConfigError("eval.max_prompt_tokens: every prompt is too long")
     return keep[: e.n_prompts] if e.n_prompts else keep, skipped
+
+
+def unseen_prompts(cfg: Config, tokenizer):
+    """eval.prompt_source=unseen: the conversations of the configured data source (read as the data
+    stage reads them) whose id is in neither split of the prepared labelled dataset, shuffled by
+    cfg.seed, each rendered up to its first assistant turn; a lazy iterator, the caller stops early."""
+    from mtp_train.cli.prep import _check_labelled_is_current, labelled_dir
+    from mtp_train.data.build import read_conversations
+    from mtp_train.data.sources import SourceStats
+    from mtp_train.evaluate import dataset_ids, render_prompts, unseen_conversations
+
+    _check_labelled_is_current(cfg, tokenizer)  # the ids must come from this source's dataset
+    seen = dataset_ids(labelled_dir(cfg))
+    convs = read_conversations(cfg.data, SourceStats(), keep_prompt_only=cfg.data.distill.enabled)
+    unseen = unseen_conversations(convs, seen, cfg.seed)
+    if not unseen:
+        raise ConfigError(f"eval.prompt_source: there are no unseen conversations in data.source="
+                          f"{cfg.data.source}: the data stage used all {len(convs)} of them "
+                          "(lower data.max_conversations, or use eval.prompt_source=validation)")
+    log.info("eval.prompt_source=unseen: %d of the source's %d conversations are not in %s",
+             len(unseen), len(convs), labelled_dir(cfg))
+    return render_prompts(unseen, tokenizer)
 
 
 def load_span_policies(cfg: Config, backbone, heads) -> dict:
@@ -61,6 +93,7 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
             log.warning("%s: not calibrated (tau %.2f); run `mtp-clp stage=calibrate`", path, tau)
         policy = SpanPolicy(pred, tau)
         policy.parameters = count_parameters(pred)
+        policy.calibrated = bool(meta.get("calibrated"))
         out[mode] = policy
     return out
 
@@ -80,10 +113,17 @@ def eval_key(cfg: Config) -> str:
     e = OmegaConf.to_container(OmegaConf.structured(cfg.eval))
     predictors = {name: [sha(Path(d) / CLP_FILE), sha(Path(d) / CLP_META)] if d else None
                   for name, d in (("clp", cfg.eval.clp), ("gate", cfg.eval.gate))}
+    prompts = sha(cfg.eval.prompts) if cfg.eval.prompts else \
+        (read_manifest(labelled_dir(cfg)) or {}).get("config_hash")
+    if not cfg.eval.prompts and cfg.eval.prompt_source == "unseen":
+        # which conversations are left depends on the source file as well as the dataset taken from it
+        from mtp_train.data.build import _source_identity
+
+        prompts = {"dataset": prompts, "source": _source_identity(cfg.data), "seed": cfg.seed,
+                   "keep_prompt_only": cfg.data.distill.enabled}
     return config_hash({
         "eval": e, "backbone": backbone_identity(cfg.backbone),
-        "prompts": sha(cfg.eval.prompts) if cfg.eval.prompts else
-        (read_manifest(labelled_dir(cfg)) or {}).get("config_hash"),
+        "prompt_source": "file" if cfg.eval.prompts else cfg.eval.prompt_source, "prompts": prompts,
         "heads": sha(Path(cfg.eval.heads) / HEADS_FILE) if cfg.eval.heads else None,
         "predictors": predictors})
 
@@ -124,12 +164,14 @@ def run_eval(cfg: Config) -> dict:
     heads, meta = (load_heads(cfg.eval.heads, backbone) if cfg.eval.heads else (None, {}))
     policies = load_span_policies(cfg, backbone, heads)
     prompts, skipped = select_prompts(cfg, backbone)
-    log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each", len(prompts),
-             len(cfg.eval.modes), cfg.eval.max_new_tokens)
+    log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
+             len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau)
-    report["predictors"] = {m: {"parameters": p.parameters, "tau": p.tau} for m, p in policies.items()}
+    report["predictors"] = {m: {"parameters": p.parameters, "tau": p.tau, "calibrated": p.calibrated}
+                            for m, p in policies.items()}
     report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
+                  prompt_source="file" if cfg.eval.prompts else cfg.eval.prompt_source,
                   max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))
     path = save_report(report, out_dir)
     tok = backbone.tokenizer

@@ -26,6 +26,7 @@ from mtp_train.cli.prep import data_dirs
 from mtp_train.config import Config
 from mtp_train.errors import ConfigError
 from mtp_train.heads import HEADS_FILE, HEADS_META
+from mtp_train.trees import TREE_STATS
 
 
 def open_cache(cfg: Config, backbone):
@@ -131,7 +132,7 @@ def supersede(run_dir: Path, old_recipe: str) -> Path:
     <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing."""
     dest = run_dir / SUPERSEDED / old_recipe
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("checkpoints", HEADS_FILE, HEADS_META, RUN_META, "csv"):
+    for name in ("checkpoints", HEADS_FILE, HEADS_META, TREE_STATS, RUN_META, "csv"):
         src = run_dir / name
         if src.exists():
             target = dest / name
@@ -199,6 +200,21 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
     return run_dir / HEADS_FILE
 
 
+def record_tree_stats(run_dir: Path, module, trainer, dm, meta: dict) -> dict:
+    """Validate finished heads once for the rank statistics token trees are grown from; add the
+    tree metric to heads.json (the weights are not touched)."""
+    from mtp_train.artifacts import write_json_atomic
+
+    metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
+    if trainer.is_global_zero:
+        module.rank_stats.save(run_dir / TREE_STATS)
+        meta["metrics"] = {**meta.get("metrics", {}), "val/sim_tau_tree": metrics.get("val/sim_tau_tree")}
+        write_json_atomic(run_dir / HEADS_META, meta)
+        log.info("%s written (%d positions; val/sim_tau_tree %.3f)", run_dir / TREE_STATS,
+                 module.rank_stats.total(), metrics.get("val/sim_tau_tree", float("nan")))
+    return meta["metrics"]
+
+
 def gathered(heads, trainer):
     """A context in which every rank holds the heads' full parameters: under ZeRO stage 3 they are
     partitioned across ranks and must be gathered (by all ranks together) before saving."""
@@ -247,14 +263,18 @@ def run_train(cfg: Config) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     ensure_tiny_data(cfg)
     recipe, finished = recipe_keys(cfg)
-    if not cfg.force and (done := finished_run(run_dir, finished)) is not None:
+    done = None if cfg.force else finished_run(run_dir, finished)
+    if done is not None and (run_dir / TREE_STATS).is_file():
         log.info("%s already holds heads trained with this recipe and length; skipping "
                  "(force=true trains again)", run_dir)
         return done["metrics"]
+    if done is not None:
+        log.info("%s holds heads trained with this recipe but no %s (heads from before token trees): "
+                 "validating once to record them", run_dir, TREE_STATS)
     from mtp_train.artifacts import read_json
 
     old_recipe = (read_json(run_dir / RUN_META) or {}).get("recipe")
-    if (cfg.force or (old_recipe and old_recipe != recipe)) and any(
+    if done is None and (cfg.force or (old_recipe and old_recipe != recipe)) and any(
             (run_dir / n).exists() for n in ("checkpoints", HEADS_FILE)):
         if _is_rank_zero():
             where = supersede(run_dir, old_recipe or "unknown")
@@ -267,6 +287,10 @@ def run_train(cfg: Config) -> dict:
     draft_ids = draft_vocab_for(cfg, backbone)
     torch.manual_seed(cfg.seed)  # the heads' init must not depend on what preparation drew before
     heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids)
+    if done is not None:
+        from mtp_train.heads import load_heads
+
+        heads = load_heads(run_dir, backbone)[0].train()
     n = count_parameters(heads)
     log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen)", cfg.heads.type,
              cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()):,}")
@@ -284,6 +308,8 @@ def run_train(cfg: Config) -> dict:
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
     last = ckpt_dir / "last.ckpt"  # a file, or a directory of ZeRO shards under DeepSpeed
+    if done is not None:
+        return record_tree_stats(run_dir, module, trainer, dm, done)
     resuming = last.exists()
     check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero,
                          recipe=recipe)
@@ -298,6 +324,7 @@ def run_train(cfg: Config) -> dict:
                               recipe={"recipe": recipe, "finished": finished,
                                       "train_rows": len(dm.splits["train"]), "train_tokens": dm.train_tokens,
                                       "steps": trainer.global_step})
+            module.rank_stats.save(run_dir / TREE_STATS)
     close_loggers(loggers)
     if trainer.is_global_zero:
         log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))

@@ -94,13 +94,14 @@ class ChainedMTP(DraftVocab):
         return torch.stack(outs, dim=2)  # (B, T, k, d)
 
     def module_step(self, j: int, prev: torch.Tensor, token_emb: torch.Tensor,
-                    attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None = None, cache=None,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Module j (1..k) on (B, n, d) previous-depth states and embeddings of the tokens j ahead ->
         (B, n, d). With a transformers `cache` holding the module's earlier positions (decoding), the
-        n positions continue after them."""
+        n positions continue after them; tree drafting passes a 4D mask and explicit positions."""
         x = self.proj[j - 1](torch.cat([self.norm_emb[j - 1](token_emb), self.norm_hidden[j - 1](prev)], -1))
         out = self.blocks[j - 1](inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                 use_cache=cache is not None)
+                                 use_cache=cache is not None, position_ids=position_ids)
         return out.last_hidden_state
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

@@ -8,6 +8,13 @@ Logged per depth j (keys `split/name_dj`): loss, acc (argmax == data token), agr
 backbone's own greedy token), alpha (1 - TV), masked (AdaMTP fraction dropped) and `val/sim_tau`:
 the accepted length greedy verification would reach on these teacher-forced positions,
 1 + mean_t sum_j prod_{i<=j} agree_{t,i}, over positions where all k depths have a target.
+
+Validation also records rank statistics for token trees (`mtp_train.trees`): at positions whose
+k-token window lies on the backbone's greedy path (so the heads see what decoding shows them), the
+rank of the backbone's greedy token among each head's candidates, by the backbone's entropy there.
+`rank_stats` holds the last validation's counts (mtp-train saves them as tree_stats.json) and
+`val/sim_tau_tree` is the accepted length a static tree of TREE_METRIC_NODES drafts grown from
+them reaches (grown on one half of the positions, scored on the other).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from mtp_train.losses import acceptance, compute_loss
 from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
 from mtp_train.targets import depth_targets
 from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
+from mtp_train.trees import ENTROPY_EDGES, RankStats, cross_fit_tau, dense_counts, entropy_bucket, head_ranks
+
+TREE_METRIC_NODES = 16
 
 
 class NonFiniteLoss(MtpError):
@@ -36,6 +46,9 @@ class MTPHeadsModule(L.LightningModule):
         self.loss_cfg, self.train_cfg = loss_cfg, train_cfg
         self.k = heads.k
         self._val_chain = []
+        self._val_ranks, self._val_dense = [], None
+        self.max_rank = RankStats.rank_cap(self.k)
+        self.rank_stats: RankStats | None = None
 
     def on_fit_start(self) -> None:
         """Put the frozen backbone next to the heads, in their dtype when the strategy made them half
@@ -107,6 +120,8 @@ class MTPHeadsModule(L.LightningModule):
             raise NonFiniteLoss(f"non-finite {self.loss_cfg.name} loss at step {self.global_step} "
                                 f"({split}), depth(s) {bad or 'all'}; the last good checkpoint is kept")
         self._log_metrics(split, out, logits.detach(), teacher, target_tok, bb_top, valid[rows][None])
+        if split == "val":
+            self._collect_ranks(logits.detach()[0], bb_top[0], valid[rows], ids, stats, rows)
         return out.loss
 
     def heads_zero(self) -> torch.Tensor:
@@ -134,6 +149,19 @@ class MTPHeadsModule(L.LightningModule):
             chain = agree[full].float().cumprod(-1).sum(-1)  # (M,) accepted drafts per position
             self._val_chain.append(chain.cpu())
 
+    @torch.no_grad()
+    def _collect_ranks(self, logits, bb_top, valid, ids, stats, rows) -> None:
+        """logits (N, k, |D|), bb_top (N, k) the backbone's greedy token per depth, valid (N, k)."""
+        b, pos = positions_ahead(rows, self.k)  # (N, 1), (N, k): t+1..t+k
+        on_path = (ids[b, pos] == stats["top"][b, pos - 1]).all(-1) & valid.all(-1)  # (N,)
+        if not on_path.any():
+            return
+        ranks = head_ranks(logits[on_path].float(), self.heads.to_draft(bb_top[on_path]), self.max_rank)
+        bucket = entropy_bucket(stats["entropy"][b[:, 0], pos[:, 0] - 1][on_path])
+        dense = dense_counts(ranks, bucket, self.max_rank, len(ENTROPY_EDGES) + 1)
+        self._val_dense = dense if self._val_dense is None else self._val_dense + dense
+        self._val_ranks.append(ranks.cpu())
+
     def training_step(self, batch, batch_idx):
         return self.model_step(batch, "train")
 
@@ -142,6 +170,7 @@ class MTPHeadsModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_chain = []
+        self._val_ranks, self._val_dense = [], None
 
     def on_validation_epoch_end(self) -> None:
         chain = torch.cat(self._val_chain) if self._val_chain else torch.zeros(0)
@@ -151,6 +180,15 @@ class MTPHeadsModule(L.LightningModule):
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         sim_tau = 1.0 + (totals[0] / totals[1]).item() if totals[1] > 0 else 1.0
         self.log("val/sim_tau", sim_tau, prog_bar=True)
+        n_cells = (len(ENTROPY_EDGES) + 1) * (self.max_rank + 1) ** self.k
+        dense = self._val_dense if self._val_dense is not None else torch.zeros(
+            len(ENTROPY_EDGES) + 1, n_cells // (len(ENTROPY_EDGES) + 1), dtype=torch.long, device=self.device)
+        dense = self.trainer.strategy.reduce(dense.double(), reduce_op="sum").round().long().cpu()
+        self.rank_stats = RankStats(k=self.k, max_rank=self.max_rank)
+        self.rank_stats.add_dense(dense)
+        rows = torch.cat(self._val_ranks) if self._val_ranks else torch.zeros(0, self.k, dtype=torch.long)
+        # this rank's positions (all of them with one process)
+        self.log("val/sim_tau_tree", cross_fit_tau(rows, TREE_METRIC_NODES, self.max_rank))
         self._wandb_depth_chart()
 
     def _wandb_depth_chart(self) -> None:
