@@ -223,7 +223,8 @@ class TrainConfig:
 
 
 PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source
-DECODE_MODES = ("greedy", "verify", "relaxed", "clp", "gate", "clp+verify", "adaptive")
+DECODE_MODES = ("greedy", "verify", "tree", "dynamic", "relaxed", "clp", "gate", "clp+verify", "adaptive")
+EVAL_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -278,6 +279,10 @@ class EvalConfig:
     max_prompt_tokens: int = 1024  # longer prompts are skipped (counted in the report)
     modes: list[str] = field(default_factory=lambda: ["greedy", "verify"])
     warmup: int = 1  # prompts decoded once per mode before timing
+    dtype: str = "auto"  # float32 | bfloat16 | auto (bf16 where matmuls have native bf16: AMX, avx512_bf16, GPU)
+    tree_nodes: int | None = None  # tree: draft nodes of the static tree; None = chosen by measured cost
+    tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 12, 16, 24, 32, 48, 64])
+    dynamic_topk: int = 4  # dynamic: candidates per expanded node, and nodes expanded per level
     rounds: int = 3  # timing rounds (modes in a rotating order); speedups are the median over rounds
     delta: float = 0.3  # relaxed: keep d_i while p(d_i) >= delta * max p ...
     budget: float = 1.0  # ... and the summed log-prob drift stays <= budget (0 = verify)
@@ -296,6 +301,11 @@ class EvalConfig:
         _check(self.max_prompt_tokens > 0, "eval.max_prompt_tokens", "must be > 0")
         _check(self.warmup >= 0, "eval.warmup", "must be >= 0")
         _check(self.rounds >= 1, "eval.rounds", f"must be >= 1, got {self.rounds}")
+        _choice(self.dtype, EVAL_DTYPES, "eval.dtype")
+        _check(self.tree_nodes is None or 1 <= self.tree_nodes <= 128, "eval.tree_nodes", "must be in 1..128 or null")
+        _check(bool(self.tree_budgets) and all(1 <= b <= 128 for b in self.tree_budgets), "eval.tree_budgets",
+               "must list node budgets in 1..128")
+        _check(self.dynamic_topk >= 1, "eval.dynamic_topk", "must be >= 1")
         _choice(self.prompt_source, PROMPT_SOURCES, "eval.prompt_source")
         _check(self.prompt_source == "validation" or not self.prompts, "eval.prompt_source",
                f"{self.prompt_source} reads the data source; it cannot be combined with eval.prompts "

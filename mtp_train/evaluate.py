@@ -260,39 +260,44 @@ def round_order(names: list[str], prompt_index: int, round_index: int) -> list[s
     return names[shift:] + names[:shift]
 
 
-def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None) -> dict:
+def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None,
+              tree_stats=None) -> dict:
     """Decode every prompt with HF generate and each mode in cfg.modes, in cfg.rounds timing rounds;
     returns the report dict and round 1's outputs per mode."""
     from tqdm.auto import tqdm
 
-    from mtp_train.decoding import CostPolicy, Decoder, EntropyPolicy
+    from mtp_train.decoding import ROW_BUCKETS, Decoder
 
     tok = backbone.tokenizer
     eos = sorted({t for t in (tok.eos_token_id, *_as_list(backbone.model.generation_config.eos_token_id))
                   if t is not None})
     dec = Decoder(backbone, heads, eos_ids=eos)
     k = dec.k
-    costs = dec.step_costs() if k else [1.0]
-    log.info("step cost on this machine: forward over n+1 tokens / over 1 token = %s",
-             ", ".join(f"{c:.2f}" for c in costs))
+    mm = dec.measure_matmuls()
+    log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T): %s",
+             "/".join(map(str, ROW_BUCKETS)), mm.describe())
+    plan = plan_trees(dec, tree_stats, prompts[0], cfg) if k else {}
+    costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
 
-    def run_mode(mode: str, prompt: list[int]):
+    def run_mode(mode: str, prompt: list[int], max_new_tokens: int | None = None):
         opts = {}
         if mode == "relaxed":
             opts = {"delta": cfg.delta, "budget": cfg.budget}
         elif mode in ("clp", "gate", "clp+verify"):
             opts = {"span_policy": span_policies[mode]}
             mode = "clp" if mode == "gate" else mode  # the gate is a span policy in clp mode
+        elif mode in ("tree", "dynamic"):
+            opts = {"tree": plan[mode]}
+            mode = "verify"
         elif mode == "adaptive":
-            opts = {"depth_policy": CostPolicy(k, costs) if cfg.adaptive_policy == "cost" else
-                    EntropyPolicy(k, cfg.entropy_low, cfg.entropy_high)}
-        return dec.generate(prompt, cfg.max_new_tokens, mode, **opts)
+            opts = {"depth_policy": adaptive_policy(plan, cfg)}
+        return dec.generate(prompt, max_new_tokens or cfg.max_new_tokens, mode, **opts)
 
+    span_policies = span_policies or {}
     for p in prompts[: cfg.warmup]:  # warm-up: allocator, thread pools, one-time kernels
         hf_generate(backbone, p, min(16, cfg.max_new_tokens), eos)
         for mode in cfg.modes:
-            dec.generate(p, min(16, cfg.max_new_tokens), "greedy" if mode == "greedy" else "verify")
-    span_policies = span_policies or {}
+            run_mode(mode, p, min(16, cfg.max_new_tokens))
     rounds = getattr(cfg, "rounds", 1)
     names = ["hf_generate", *cfg.modes]
     bar = tqdm(total=rounds * len(prompts) * len(names), desc="decode", unit="run", dynamic_ncols=True)
@@ -336,8 +341,12 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
             [backbone_nll(backbone, p, o) for p, o in zip(prompts, outs, strict=True)], k,
             round_tokens=new_tokens[name])
         report["details"][name]["nondeterministic"] = name in nondeterministic
+    report["eos"] = eos
     report["step_cost"] = costs[-1]
     report["step_costs"] = costs
+    if plan:
+        report["decoder"] = {"matmul_layout": mm.describe(), "dtype": str(backbone.model.dtype).replace("torch.", ""),
+                             "verify_costs": plan["curve"], "trees": plan["summary"]}
     report["k"] = k
     report["sim_tau"] = sim_tau
     report["rounds"] = rounds
@@ -345,6 +354,162 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     for line in report["flags"]:
         log.warning("%s", line)
     return report, outputs | {"hf_generate": hf_out}
+
+
+# ---------------------------------------------------------------------------------------------------
+# which trees to verify: grown from the heads' rank statistics, sized by this machine's costs
+
+
+def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
+    """Measure this machine's verify cost curve and drafting costs, and pick: the static tree with
+    the most expected committed tokens per unit of step time (`tree`), a dynamic tree of the same
+    node count (`dynamic`), the cost/acceptance Pareto front (adaptive, cost policy) and one tree per
+    entropy bucket (adaptive, entropy policy: EntMTP). Without rank statistics the chain stands in
+    for the static tree and the entropy policy uses chains."""
+    from mtp_train.decoding import DynamicTree
+    from mtp_train.trees import TreeShape, expected_accepted, grow_tree
+
+    k = dec.k
+    shapes = {TreeShape.chain(k).paths: TreeShape.chain(k)}
+    prefix, total = (stats.prefix_counts(), stats.total()) if stats is not None and stats.total() else ({}, 0)
+    budgets = [cfg.tree_nodes] if cfg.tree_nodes else list(cfg.tree_budgets)
+    for b in budgets if total else []:
+        shape = grow_tree(prefix, b, k)
+        if shape.n:
+            shapes.setdefault(shape.paths, shape)
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64} | set(range(1, k + 2)) | {s.n + 1 for s in shapes.values()})
+    curve = dec.verify_costs(sizes=tuple(sizes))
+    one = curve["one_token_ms"] / 1e3
+    rows = []
+    for shape in shapes.values():
+        tau = 1 + expected_accepted(shape, prefix, total) if total else None
+        draft = dec.draft_cost(shape, prompt)
+        cost = curve["costs"][shape.n + 1] + draft / one
+        rows.append({"shape": shape, "label": shape.label(), "nodes": shape.n, "depth": shape.depth,
+                     "predicted_tau": tau, "verify_cost": curve["costs"][shape.n + 1],
+                     "draft_cost": draft / one, "cost": cost,
+                     "rate": None if tau is None else tau / cost})
+    scored = [r for r in rows if r["rate"] is not None]
+    static = max(scored, key=lambda r: r["rate"])["shape"] if scored else TreeShape.chain(k)
+    if cfg.tree_nodes and scored:  # a size the user asked for
+        static = next((r["shape"] for r in scored if not r["shape"].is_chain), static)
+    dynamic = DynamicTree(nodes=static.n, topk=cfg.dynamic_topk, width=cfg.dynamic_topk)
+    empty = {"shape": TreeShape(()), "predicted_tau": 1.0, "cost": 1.0}
+    cands = [empty, *scored] if scored else [empty, *({**r, "predicted_tau": 1.0 + 0.5 * r["nodes"]}
+                                                      for r in rows)]
+    front = [c for c in cands if not any(
+        o is not c and o["predicted_tau"] >= c["predicted_tau"] and o["cost"] <= c["cost"]
+        and (o["predicted_tau"] > c["predicted_tau"] or o["cost"] < c["cost"]) for o in cands)]
+    front.sort(key=lambda c: c["cost"])
+    by_entropy = None
+    if total:
+        by_entropy = []
+        for bucket in range(len(stats.counts)):
+            pb, tb = stats.prefix_counts(bucket), stats.total(bucket)
+            if tb < 30:  # too few positions to grow a tree of its own
+                by_entropy.append(static)
+                continue
+            best, best_rate = TreeShape(()), 1.0
+            for r in rows:
+                shape = r["shape"] if r["shape"].is_chain else grow_tree(pb, r["nodes"], k)
+                if shape.n + 1 not in curve["costs"]:
+                    continue
+                rate = (1 + expected_accepted(shape, pb, tb)) / (curve["costs"][shape.n + 1] + r["draft_cost"])
+                if rate > best_rate:
+                    best, best_rate = shape, rate
+            by_entropy.append(best)
+    summary = {
+        "static": static.label(), "static_paths": [list(p) for p in static.paths], "dynamic": dynamic.label(),
+        "candidates": [{kk: v for kk, v in r.items() if kk != "shape"} for r in rows],
+        "pareto": [c["shape"].label() if c["shape"].n else "none" for c in front],
+        "entropy_trees": [t.label() if t.n else "none" for t in by_entropy] if by_entropy else None,
+        "entropy_edges": list(stats.edges) if total else None, "rank_positions": total}
+    log.info("verify cost on this machine (n tokens / 1 token, one token %.1f ms): %s", curve["one_token_ms"],
+             ", ".join(f"{n}: {c:.2f}" for n, c in curve["costs"].items()))
+    for r in rows:
+        log.info("  %-8s predicted tau %s, verify %.2f + draft %.2f = cost %.2f%s", r["label"],
+                 "-" if r["predicted_tau"] is None else f"{r['predicted_tau']:.2f}", r["verify_cost"],
+                 r["draft_cost"], r["cost"], "" if r["rate"] is None else f", tau/cost {r['rate']:.2f}")
+    log.info("tree mode verifies %s; dynamic %s", static.label(), dynamic.label())
+    return {"tree": static, "dynamic": dynamic, "curve": curve, "pareto": front, "by_entropy": by_entropy,
+            "stats": stats if total else None, "summary": summary}
+
+
+def adaptive_policy(plan: dict, cfg):
+    """A fresh policy for one decode: the cost policy over the Pareto trees (running acceptance
+    seeded by the rank statistics), or the entropy policy over the per-bucket trees."""
+    from mtp_train.decoding import AcceptanceModel, CostPolicy, EntropyPolicy
+
+    stats = plan["stats"]
+    if cfg.adaptive_policy == "cost":
+        model = AcceptanceModel(stats.prefix_counts(), stats.total()) if stats else AcceptanceModel()
+        front = plan["pareto"]
+        return CostPolicy([c["shape"] for c in front], [c["cost"] for c in front], model)
+    if plan["by_entropy"]:
+        return EntropyPolicy(plan["by_entropy"], stats.edges)
+    return EntropyPolicy.chains(plan["tree"].depth or 1, cfg.entropy_low, cfg.entropy_high)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the machine and the dtype
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16); a CUDA GPU always does here."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"amx_bf16", "avx512_bf16"} & set(flags.split()))
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """eval.dtype -> a torch dtype: auto = bf16 where matmuls have native bf16, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def machine() -> dict:
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_bf16": native_bf16(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def hf_dtype_probe(backbone, prompts: list[list[int]], eos: list[int], max_new_tokens: int = 32,
+                   n_prompts: int = 3) -> dict:
+    """HF generate's tokens/s in float32 and in bfloat16 on a few prompts, interleaved (a copy of the
+    model in the other dtype), so that a mode's speedup can also be stated against the faster of the
+    two: a dtype change alone must not pass as a decoder win."""
+    import copy
+
+    here = backbone.model.dtype
+    other_dtype = torch.float32 if here == torch.bfloat16 else torch.bfloat16
+    other = copy.copy(backbone)
+    other.model = copy.deepcopy(backbone.model).to(other_dtype)
+    secs = {here: 0.0, other_dtype: 0.0}
+    toks = {here: 0, other_dtype: 0}
+    hf_generate(other, prompts[0], 4, eos)  # warm the copy
+    for i, p in enumerate(prompts[:n_prompts]):
+        for b in ((backbone, other) if i % 2 == 0 else (other, backbone)):
+            out, s = hf_generate(b, p, max_new_tokens, eos)
+            secs[b.model.dtype] += s
+            toks[b.model.dtype] += len(out)
+    del other
+    return {str(d).replace("torch.", ""): toks[d] / secs[d] if secs[d] else 0.0 for d in secs}
 
 
 def _as_list(x) -> list:

@@ -98,6 +98,19 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
     return out
 
 
+def load_tree_stats(cfg: Config):
+    """The heads' rank statistics (tree_stats.json, written by mtp-train), which static trees and the
+    adaptive policies grow from; required by mode tree."""
+    from mtp_train.trees import TREE_STATS, RankStats
+
+    stats = RankStats.load(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None
+    if stats is None and "tree" in cfg.eval.modes:
+        raise ConfigError(f"eval.modes: mode tree grows its tree from {Path(cfg.eval.heads) / TREE_STATS}, "
+                          "which these heads lack (trained before token trees); run the same mtp-train "
+                          "command on that run directory once to record it (validation only)")
+    return stats
+
+
 def eval_key(cfg: Config) -> str:
     """What an evaluation depends on: every eval setting, the backbone, the prompts' source and the
     exact weights of the heads and predictors (and the predictors' calibrated tau)."""
@@ -105,7 +118,9 @@ def eval_key(cfg: Config) -> str:
     from mtp_train.backbone import backbone_identity
     from mtp_train.cli.prep import labelled_dir
     from mtp_train.clp import CLP_FILE, CLP_META
+    from mtp_train.evaluate import cpu_model
     from mtp_train.heads import HEADS_FILE
+    from mtp_train.trees import TREE_STATS
 
     def sha(path) -> str | None:
         return file_sha256(path) if path and Path(path).is_file() else None
@@ -125,6 +140,8 @@ def eval_key(cfg: Config) -> str:
         "eval": e, "backbone": backbone_identity(cfg.backbone),
         "prompt_source": "file" if cfg.eval.prompts else cfg.eval.prompt_source, "prompts": prompts,
         "heads": sha(Path(cfg.eval.heads) / HEADS_FILE) if cfg.eval.heads else None,
+        "tree_stats": sha(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None,
+        "machine": cpu_model(),
         "predictors": predictors})
 
 
@@ -145,7 +162,15 @@ def run_eval(cfg: Config) -> dict:
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.backbone import load_backbone
     from mtp_train.cli.train import ensure_tiny_data
-    from mtp_train.evaluate import print_table, run_modes, save_report, write_plots
+    from mtp_train.evaluate import (
+        hf_dtype_probe,
+        machine,
+        print_table,
+        resolve_dtype,
+        run_modes,
+        save_report,
+        write_plots,
+    )
     from mtp_train.heads import load_heads
 
     t0 = time.time()
@@ -162,12 +187,27 @@ def run_eval(cfg: Config) -> dict:
         return done
     backbone = load_backbone(cfg.backbone)
     heads, meta = (load_heads(cfg.eval.heads, backbone) if cfg.eval.heads else (None, {}))
+    stats = load_tree_stats(cfg)
+    dtype = resolve_dtype(cfg.eval.dtype)
+    if dtype != backbone.model.dtype:
+        log.info("eval.dtype=%s: decoding (and HF generate) in %s", cfg.eval.dtype, dtype)
+        backbone.model.to(dtype)
+        if heads is not None:
+            heads.to(dtype)
     policies = load_span_policies(cfg, backbone, heads)
     prompts, skipped = select_prompts(cfg, backbone)
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
-    report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau)
+    report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
+                                tree_stats=stats)
+    report["machine"] = machine()
+    log.info("HF generate in float32 and bfloat16 on a few prompts (for the speedup against the faster)")
+    report["hf_dtypes"] = hf_dtype_probe(backbone, prompts, report["eos"], max_new_tokens=32)
+    here = str(backbone.model.dtype).replace("torch.", "")
+    best = max(report["hf_dtypes"].values())
+    for m in report["modes"].values():  # same-dtype speedup x (this dtype's HF / the faster HF)
+        m["speedup_vs_best_hf"] = m["speedup_vs_hf"] * report["hf_dtypes"][here] / best if best else None
     report["predictors"] = {m: {"parameters": p.parameters, "tau": p.tau, "calibrated": p.calibrated}
                             for m, p in policies.items()}
     report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
