@@ -100,11 +100,12 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class MatmulPlan:
-    """For each weight shape and dtype the decoder multiplies, and each row-count bucket, which of
-    `F.linear` (x @ W^T) and `W @ x^T` is faster here. On an AVX2 EPYC with this torch's MKL the
-    first costs about rows x its one-row cost for 2-8 rows while the second stays flat; on an
-    AVX-512/AMX Xeon it is the other way round (docs/decoding.md). `MatmulPlan.measure` times both,
-    interleaved, medians of `reps`; an unmeasured shape uses F.linear."""
+    """For each weight shape and dtype the decoder multiplies, and each row-count bucket, whether to
+    compute x @ W^T as `F.linear` or as `W @ x^T`. On an AVX2 EPYC with this torch's MKL the first
+    costs about rows x its one-row cost for 2-8 rows while the second stays flat; on an AVX-512/AMX
+    Xeon it is the other way round (docs/decoding.md). `Decoder.measure_matmuls` decides by timing
+    whole forwards (timing each weight alone, hot in cache, picked worse layouts on the EPYC); an
+    unknown shape uses F.linear."""
 
     def __init__(self, choices: dict | None = None):
         self.choices: dict[tuple, list[bool]] = choices or {}  # key -> per bucket: use W @ x^T
@@ -112,28 +113,6 @@ class MatmulPlan:
     @staticmethod
     def key(weight: torch.Tensor) -> tuple:
         return (tuple(weight.shape), str(weight.dtype), weight.device.type)
-
-    @classmethod
-    def measure(cls, weights, reps: int = 5, buckets=ROW_BUCKETS) -> MatmulPlan:
-        plan = cls()
-        with torch.inference_mode():
-            for w in weights:
-                key = cls.key(w)
-                if key in plan.choices or w.dim() != 2:
-                    continue
-                use_t = []
-                for rows in buckets:
-                    x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
-                    times = {False: [], True: []}
-                    for r in range(reps + 1):  # the first round warms up and is dropped
-                        for t_first in ((False, True) if r % 2 else (True, False)):
-                            t0 = time.perf_counter()
-                            _ = torch.mm(w, x.T).T.contiguous() if t_first else F.linear(x, w)
-                            if r:
-                                times[t_first].append(time.perf_counter() - t0)
-                    use_t.append(rows > 1 and statistics.median(times[True]) < statistics.median(times[False]))
-                plan.choices[key] = use_t
-        return plan
 
     def mm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., d) @ weight (n, d)^T (+ bias) in the layout measured faster for this many rows."""
@@ -149,9 +128,12 @@ class MatmulPlan:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
-    def describe(self) -> dict:
-        return {f"{k[0][0]}x{k[0][1]} {k[1].replace('torch.', '')}":
-                "".join("T" if t else "L" for t in v) for k, v in self.choices.items()}
+    def describe(self) -> str:
+        """Per row bucket, L (F.linear) or T (W @ x^T); per weight shape where they differ."""
+        layouts = {"".join("T" if t else "L" for t in v) for v in self.choices.values()}
+        if len(layouts) <= 1:
+            return next(iter(layouts), "")
+        return str({f"{k[0][0]}x{k[0][1]}": "".join("T" if t else "L" for t in v) for k, v in self.choices.items()})
 
 
 def _routed_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -498,16 +480,40 @@ class Decoder:
             self._mm = MatmulPlan()
         return self._mm
 
-    def measure_matmuls(self, reps: int = 5) -> MatmulPlan:
-        """Time both layouts for every weight the decoder multiplies (backbone, heads, LM head) and
-        route through the faster from now on."""
+    def measure_matmuls(self, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS) -> MatmulPlan:
+        """For each row-count bucket, time a whole backbone forward of that many tokens (LM head
+        included) with every linear as `F.linear` and with every linear as `W @ x^T`, interleaved,
+        medians of `reps` after a warm-up round, and route that bucket through the faster layout
+        from now on (heads and draft projections included)."""
+        from transformers import DynamicCache
+
         mods = [m for m in (self.backbone.model, self.heads) if m is not None]
         weights = [lin.weight for m in mods for lin in m.modules() if type(lin) is nn.Linear]
-        weights.append(self.weight)
-        if self.drafter is not None and getattr(self.drafter, "weight", None) is not None:
-            weights.append(self.drafter.weight)
-        plan = MatmulPlan.measure(weights, reps=reps)
-        self.mm.choices.update(plan.choices)
+        weights += [self.weight] + ([self.drafter.weight] if getattr(self.drafter, "weight", None) is not None else [])
+        keys = {MatmulPlan.key(w) for w in weights}
+        plans = {t: MatmulPlan({key: [t] * len(ROW_BUCKETS) for key in keys}) for t in (False, True)}
+        use_t = [False] * len(ROW_BUCKETS)
+        ids = torch.randint(0, self.weight.shape[0], (context + max(buckets),),
+                            generator=torch.Generator().manual_seed(0)).to(self.device)
+        with torch.inference_mode():
+            cache = DynamicCache()
+            self._forward(ids[:context], cache)
+            for i, rows in enumerate(ROW_BUCKETS):
+                if rows == 1 or rows not in buckets:
+                    continue
+                times = {False: [], True: []}
+                for r in range(reps + 1):
+                    for t in ((False, True) if r % 2 else (True, False)):
+                        with routed_linears(plans[t], *mods):
+                            t0 = time.perf_counter()
+                            out = self._forward(ids[context: context + rows], cache)
+                            plans[t].mm(out, self.weight).argmax(-1)
+                            dt = time.perf_counter() - t0
+                        _crop_to(cache, context)
+                        if r:
+                            times[t].append(dt)
+                use_t[i] = statistics.median(times[True]) < statistics.median(times[False])
+        self.mm.choices.update({key: list(use_t) for key in keys})
         return self.mm
 
     def _routing(self):

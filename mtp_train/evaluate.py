@@ -466,26 +466,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16); a CUDA GPU always does here."""
-    if torch.cuda.is_available():
-        return True
-    try:
-        flags = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"amx_bf16", "avx512_bf16"} & set(flags.split()))
-
-
 def resolve_dtype(name: str) -> torch.dtype:
-    """eval.dtype -> a torch dtype: auto = bf16 where matmuls have native bf16, else float32."""
-    if name == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    """eval.dtype -> a torch dtype; auto = bf16 where matmuls have native bf16 (AMX, avx512_bf16, a
+    GPU), float32 elsewhere. (On an AVX2 EPYC a bf16 SmolLM2 reads one token in 60 ms against 91
+    in float32, but 16 tokens cost 5.9x one token against 1.7x, and multi-token bf16 forwards round
+    differently from one-token ones, so verified output drifts from the bf16 greedy loop.)"""
+    from mtp_train.data.distill import resolve_autocast
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_autocast(device, name)]
 
 
 def machine() -> dict:
-    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_bf16": native_bf16(),
+    from mtp_train.data.distill import _cpu_has_native_bf16
+
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_bf16": _cpu_has_native_bf16(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -598,6 +593,35 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         a2.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out_dir / "acceptance.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    curve = (report.get("decoder") or {}).get("verify_costs")
+    if curve:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        ns = sorted(int(n) for n in curve["costs"])
+        cost = [curve["costs"][n] if n in curve["costs"] else curve["costs"][str(n)] for n in ns]
+        spread = [curve["spread"].get(n, curve["spread"].get(str(n))) for n in ns]
+        a1.errorbar(ns, cost, yerr=[[c - lo for c, (lo, _) in zip(cost, spread, strict=True)],
+                                    [hi - c for c, (_, hi) in zip(cost, spread, strict=True)]],
+                    fmt="o-", capsize=3)
+        a1.set_xscale("log", base=2)
+        a1.set_xlabel("tokens in one backbone forward")
+        a1.set_ylabel("time / one token")
+        a1.set_title(f"verify cost (one token {curve['one_token_ms']:.0f} ms)")
+        trees = report["decoder"].get("trees") or {}
+        rows = [r for r in trees.get("candidates", []) if r["predicted_tau"] is not None]
+        for r in rows:
+            chosen = r["label"] == trees.get("static")
+            a2.scatter(r["cost"], r["predicted_tau"], color="tab:red" if chosen else "tab:blue", zorder=3)
+            a2.annotate(r["label"], (r["cost"], r["predicted_tau"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        a2.set_xlabel("step cost (verify + draft) / one token")
+        a2.set_ylabel("predicted tau")
+        a2.set_title("candidate trees (red: chosen)")
+        for ax in (a1, a2):
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out_dir / "verify_costs.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths

@@ -21,7 +21,9 @@ from mtp_train.errors import MtpError
 
 REPORT = "report.md"
 # issue 7's targets on SmolLM2 (held-out prompts, 128 new tokens, the whole demo within 30 minutes)
-TARGETS = {"verify_speedup": 1.4, "verify_tau": 1.9, "clp_speedup": 1.4, "minutes": 30.0}
+TARGETS = {"verify_speedup": 1.4, "verify_tau": 1.9, "clp_speedup": 1.4, "minutes": 30.0,
+           "tree_speedup": 1.3, "tree_best_speedup": 1.2, "tree_tau_gain": 0.4}
+
 def _default_bounds() -> dict:
     """The CLP quality bounds mtp-clp calibrates against by default (ClpConfig's own values)."""
     from mtp_train.config import ClpConfig
@@ -50,6 +52,19 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
                      bool(same) and v["speedup_vs_hf"] >= TARGETS["verify_speedup"] and not note))
         rows.append(("verify: tau", f">= {TARGETS['verify_tau']}", f"{v['tau']:.2f}{note}",
                      v["tau"] >= TARGETS["verify_tau"] and not note))
+    if t := modes.get("tree"):
+        same = t.get("identical_to_greedy")
+        note = ", speedup implausible (flagged)" if "tree" in flagged else ""
+        rows.append(("tree: speedup vs HF generate (same dtype), identical output", f">= {TARGETS['tree_speedup']}x",
+                     f"{t['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical") + note,
+                     bool(same) and t["speedup_vs_hf"] >= TARGETS["tree_speedup"] and not note))
+        if (best := t.get("speedup_vs_best_hf")) is not None:
+            rows.append(("tree: speedup vs the faster of fp32 and bf16 HF generate",
+                         f">= {TARGETS['tree_best_speedup']}x", f"{best:.2f}x{note}",
+                         best >= TARGETS["tree_best_speedup"] and not note))
+        if c := modes.get("verify"):
+            rows.append(("tree: tau over the chain's", f">= chain + {TARGETS['tree_tau_gain']}",
+                         f"{t['tau']:.2f} vs {c['tau']:.2f}", t["tau"] >= c["tau"] + TARGETS["tree_tau_gain"]))
     ref = modes.get("greedy") or modes.get("hf_generate")
     if (c := modes.get("clp")) and ref:
         what = "clp: speedup within its quality bounds"
@@ -269,7 +284,8 @@ def write_report(run_root: str | Path) -> Path:
                    "than 1.15 x tau x our greedy's speedup; these speedups do not measure the mode):", ""]
             md += [f"- {line}" for line in flags]
             md.append("")
-        for name in ("speedup.png", "acceptance.png"):
+        md += _decoder_section(report)
+        for name in ("speedup.png", "acceptance.png", "verify_costs.png"):
             if (ev / name).is_file():
                 md.append(f"![{name[:-4]}](eval/{name})")
         md.append("")
@@ -297,6 +313,32 @@ def write_report(run_root: str | Path) -> Path:
     tmp.write_text("\n".join(md) + "\n")
     tmp.replace(path)
     return path
+
+
+def _decoder_section(report: dict) -> list[str]:
+    """The machine, the dtype, the verify cost curve and the trees weighed against it."""
+    dec, mach = report.get("decoder") or {}, report.get("machine") or {}
+    if not dec:
+        return []
+    curve, trees = dec.get("verify_costs") or {}, dec.get("trees") or {}
+    md = ["### The decoder on this machine", "",
+          f"- CPU: {mach.get('cpu', '?')}, {mach.get('threads', '?')} threads, native bf16: "
+          f"{mach.get('native_bf16')}; decoding in {dec.get('dtype')}; HF generate tokens/s by dtype: "
+          + ", ".join(f"{d} {v:.1f}" for d, v in (report.get("hf_dtypes") or {}).items())]
+    if curve:
+        md.append(f"- verify cost (forward over n tokens / one token of {curve['one_token_ms']:.1f} ms, "
+                  f"medians of {curve.get('rounds')} interleaved rounds): "
+                  + ", ".join(f"{n}: {c:.2f}" for n, c in curve["costs"].items()))
+    if trees:
+        md.append(f"- mode tree verifies `{trees.get('static')}`, dynamic `{trees.get('dynamic')}`; "
+                  f"adaptive (cost) chooses among {', '.join(trees.get('pareto') or [])}"
+                  + (f"; per entropy bucket: {', '.join(trees['entropy_trees'])}" if trees.get("entropy_trees") else ""))
+        md += ["", "| tree | nodes | depth | predicted tau | verify cost | draft cost | tau / cost |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {r['label']} | {r['nodes']} | {r['depth']} | {_fmt(r['predicted_tau'], 2)} | "
+               f"{r['verify_cost']:.2f} | {r['draft_cost']:.2f} | {_fmt(r['rate'], 2)} |"
+               for r in trees.get("candidates", [])]
+    return [*md, ""]
 
 
 def _quote(text: str, limit: int = 600) -> str:

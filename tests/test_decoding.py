@@ -187,7 +187,7 @@ def test_tree_verify_is_greedy_and_accepts_exactly_the_planted_paths(tiny_backbo
         assert out.cache_length == len(prompt) + new - 1
         if isinstance(tree, TreeShape):
             tree_paths = set(tree.paths)
-            for (p, tokens, parents, path, _), kept in zip(out.trace, out.accept_lengths, strict=True):
+            for (p, *_), kept in zip(out.trace, out.accept_lengths, strict=True):
                 planted = table.get(p + 2, (K,) * K)  # absent: the step drafted nothing
                 room = new - (p + 2 - len(prompt)) - 1  # drafts the token budget still allowed
                 want = 0
@@ -336,6 +336,19 @@ def test_routed_linears_compute_the_same_in_either_layout_and_are_undone():
                 assert "forward" in vars(net[0])  # patched on the instance
             torch.testing.assert_close(got, ref.detach())
         assert "forward" not in vars(net[0]) and "forward" not in vars(net[2])
-    measured = MatmulPlan.measure([net[0].weight], reps=1)
-    assert len(measured.choices[MatmulPlan.key(net[0].weight)]) == len(ROW_BUCKETS)
-    assert measured.choices[MatmulPlan.key(net[0].weight)][0] is False  # one row: always F.linear
+
+
+
+def test_measured_layout_covers_every_weight_and_keeps_decoding_lossless(tiny_backbone):
+    from mtp_train.decoding import ROW_BUCKETS, MatmulPlan
+
+    bb = tiny_backbone
+    heads = _random_heads(bb, "chained", seed=5)
+    dec = Decoder(bb, heads, eos_ids=[])
+    plan = dec.measure_matmuls(reps=1, buckets=(2, 4))
+    for m in (bb.model, heads):
+        for lin in (x for x in m.modules() if type(x) is torch.nn.Linear):
+            choice = plan.choices[MatmulPlan.key(lin.weight)]
+            assert len(choice) == len(ROW_BUCKETS) and choice[0] is False  # one row: F.linear
+    prompt = _prompts(1, seed=12)[0]
+    assert dec.generate(prompt, 20, "verify").tokens == Decoder(bb, eos_ids=[]).generate(prompt, 20, "greedy").tokens

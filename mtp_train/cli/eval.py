@@ -190,10 +190,10 @@ def run_eval(cfg: Config) -> dict:
     stats = load_tree_stats(cfg)
     dtype = resolve_dtype(cfg.eval.dtype)
     if dtype != backbone.model.dtype:
-        log.info("eval.dtype=%s: decoding (and HF generate) in %s", cfg.eval.dtype, dtype)
         backbone.model.to(dtype)
         if heads is not None:
             heads.to(dtype)
+    log.info("decoding (and HF generate) in %s (eval.dtype=%s)", dtype, cfg.eval.dtype)
     policies = load_span_policies(cfg, backbone, heads)
     prompts, skipped = select_prompts(cfg, backbone)
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",

@@ -29,7 +29,14 @@ from mtp_train.losses import acceptance, compute_loss
 from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
 from mtp_train.targets import depth_targets
 from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
-from mtp_train.trees import ENTROPY_EDGES, RankStats, cross_fit_tau, dense_counts, entropy_bucket, head_ranks
+from mtp_train.trees import (
+    ENTROPY_EDGES,
+    RankStats,
+    cross_fit_tau,
+    dense_counts,
+    entropy_bucket,
+    head_ranks,
+)
 
 TREE_METRIC_NODES = 16
 
