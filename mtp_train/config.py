@@ -281,7 +281,7 @@ class EvalConfig:
     warmup: int = 1  # prompts decoded once per mode before timing
     dtype: str = "auto"  # float32 | bfloat16 | auto (bf16 where matmuls have native bf16: AMX, avx512_bf16, GPU)
     tree_nodes: int | None = None  # tree: draft nodes of the static tree; None = chosen by measured cost
-    tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 12, 16, 24, 32, 48, 64])
+    tree_budgets: list[int] = field(default_factory=lambda: [3, 4, 5, 7, 9, 11, 15, 23, 31, 47, 63])
     dynamic_topk: int = 4  # dynamic: candidates per expanded node, and nodes expanded per level
     rounds: int = 3  # timing rounds (modes in a rotating order); speedups are the median over rounds
     delta: float = 0.3  # relaxed: keep d_i while p(d_i) >= delta * max p ...

@@ -118,7 +118,7 @@ class MatmulPlan:
         """x (..., d) @ weight (n, d)^T (+ bias) in the layout measured faster for this many rows."""
         rows = x.numel() // max(1, x.shape[-1])
         choice = self.choices.get(self.key(weight))
-        if choice is None or rows == 1 or rows > ROW_BUCKETS[-1] or x.requires_grad:
+        if choice is None or rows > ROW_BUCKETS[-1] or x.requires_grad:
             return F.linear(x, weight, bias)
         bucket = next(i for i, b in enumerate(ROW_BUCKETS) if b >= rows)
         if not choice[bucket]:
@@ -182,14 +182,16 @@ class MedusaDrafter:
 
     def __init__(self, heads, lm_head: nn.Module, mm: MatmulPlan):
         self.heads, self.k, self.mm = heads, heads.k, mm
-        self.weight = None if heads.lm_heads is not None else heads.draft_weight(lm_head).detach().contiguous()
+        self.dtype = next(heads.parameters()).dtype
+        self.weight = (None if heads.lm_heads is not None else
+                       heads.draft_weight(lm_head).detach().to(self.dtype).contiguous())
         self.to_tokens = heads.to_tokens
 
     def reset(self) -> None:
         pass
 
     def begin(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        self._h, self._lp = hidden[-1], None
+        self._h, self._lp = hidden[-1].to(self.dtype), None
 
     def _all(self) -> torch.Tensor:
         if self._lp is None:
@@ -222,7 +224,8 @@ class ChainedDrafter:
         from transformers import DynamicCache
 
         self.heads, self.k, self.embed, self.mm = heads, heads.k, embed, mm
-        self.weight = heads.draft_weight(lm_head).detach().contiguous()  # (|D|, d)
+        self.dtype = next(heads.parameters()).dtype  # the heads may draft in another dtype than the backbone's
+        self.weight = heads.draft_weight(lm_head).detach().to(self.dtype).contiguous()  # (|D|, d)
         self.to_tokens = heads.to_tokens
         self._cache_cls = DynamicCache
         self.reset()
@@ -248,8 +251,8 @@ class ChainedDrafter:
         prev_rows = [prev[start: last + 1]] if n_c else []
         prev_rows += [prev[p + 2 - j] if tree.parents[v] < 0 else self.scratch[j - 2][tree.parents[v]]
                       for v in scratch]
-        x_prev = torch.cat([r if r.dim() == 2 else r[None] for r in prev_rows])  # (m, d)
-        emb = self.embed(torch.cat(toks))  # (m, d)
+        x_prev = torch.cat([r if r.dim() == 2 else r[None] for r in prev_rows]).to(self.dtype)  # (m, d)
+        emb = self.embed(torch.cat(toks)).to(self.dtype)  # (m, d)
         mask = pos = None
         m = n_c + len(scratch)
         positions = [*range(start, last + 1)] + [p + 1 + tree.depths[v] - j for v in scratch]
@@ -466,7 +469,7 @@ class Decoder:
         self.backbone = backbone
         self.base = backbone.model.base_model  # transformer without the LM head
         self.weight = backbone.lm_head.weight.detach()  # (V, d)
-        self.heads = heads
+        self.heads = self.draft_heads = heads
         self._mm = matmul
         self.drafter = drafter if drafter is not None else make_drafter(heads, backbone, self.mm)
         self.k = self.drafter.k if self.drafter is not None else 0
@@ -499,7 +502,7 @@ class Decoder:
             cache = DynamicCache()
             self._forward(ids[:context], cache)
             for i, rows in enumerate(ROW_BUCKETS):
-                if rows == 1 or rows not in buckets:
+                if rows not in buckets:
                     continue
                 times = {False: [], True: []}
                 for r in range(reps + 1):
@@ -516,8 +519,24 @@ class Decoder:
         self.mm.choices.update({key: list(use_t) for key in keys})
         return self.mm
 
+    def set_draft_dtype(self, dtype: torch.dtype) -> None:
+        """Draft with a copy of the heads in `dtype`. Drafts need not be exact (verification is), so
+        the heads may draft in a cheaper dtype than the backbone verifies in: on an AVX2 EPYC a bf16
+        module reads its weights in two thirds of the float32 time, native bf16 or not."""
+        import copy
+
+        if self.heads is None or next(self.draft_heads.parameters()).dtype == dtype:
+            return
+        same = next(self.heads.parameters()).dtype == dtype
+        self.draft_heads = self.heads if same else copy.deepcopy(self.heads).to(dtype)
+        self.drafter = make_drafter(self.draft_heads, self.backbone, self.mm)
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None:
+        return None if self.draft_heads is None else next(self.draft_heads.parameters()).dtype
+
     def _routing(self):
-        return routed_linears(self.mm, *(m for m in (self.backbone.model, self.heads) if m is not None))
+        return routed_linears(self.mm, *(m for m in (self.backbone.model, self.draft_heads) if m is not None))
 
     def _forward(self, ids: torch.Tensor, cache, **kw) -> torch.Tensor:
         """(n,) tokens after the cached ones -> backbone states (n, d); the cache grows by n."""

@@ -380,6 +380,13 @@ def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
     sizes = sorted({1, 2, 4, 8, 16, 32, 64} | set(range(1, k + 2)) | {s.n + 1 for s in shapes.values()})
     curve = dec.verify_costs(sizes=tuple(sizes))
     one = curve["one_token_ms"] / 1e3
+    draft_dtypes = {}
+    for dtype in dict.fromkeys((dec.draft_dtype, torch.bfloat16)):  # drafts need not be exact
+        dec.set_draft_dtype(dtype)
+        draft_dtypes[dtype] = dec.draft_cost(TreeShape.chain(k), prompt)
+    dec.set_draft_dtype(min(draft_dtypes, key=draft_dtypes.get))
+    log.info("drafting a chain of %d: %s; drafting in %s", k, ", ".join(
+        f"{str(d).replace('torch.', '')} {t * 1e3:.1f} ms" for d, t in draft_dtypes.items()), dec.draft_dtype)
     rows = []
     for shape in shapes.values():
         tau = 1 + expected_accepted(shape, prefix, total) if total else None
@@ -423,7 +430,9 @@ def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
         "candidates": [{kk: v for kk, v in r.items() if kk != "shape"} for r in rows],
         "pareto": [c["shape"].label() if c["shape"].n else "none" for c in front],
         "entropy_trees": [t.label() if t.n else "none" for t in by_entropy] if by_entropy else None,
-        "entropy_edges": list(stats.edges) if total else None, "rank_positions": total}
+        "entropy_edges": list(stats.edges) if total else None, "rank_positions": total,
+        "draft_dtype": str(dec.draft_dtype).replace("torch.", ""),
+        "draft_ms_by_dtype": {str(d).replace("torch.", ""): t * 1e3 for d, t in draft_dtypes.items()}}
     log.info("verify cost on this machine (n tokens / 1 token, one token %.1f ms): %s", curve["one_token_ms"],
              ", ".join(f"{n}: {c:.2f}" for n, c in curve["costs"].items()))
     for r in rows:
