@@ -439,8 +439,9 @@ class EntropyPolicy:
         return cls([TreeShape.chain(k), TreeShape.chain(max(1, k // 2 + k % 2)),
                     TreeShape.chain(1), TreeShape.chain(0)], (low, mid, high))
 
-    def choose(self, **_) -> TreeShape:
-        return self.trees[sum(self.h >= e for e in self.edges)]
+    def choose(self, entropy: float | None = None, **_) -> TreeShape:
+        h = self.h if entropy is None else entropy
+        return self.trees[sum(h >= e for e in self.edges)]
 
     def update(self, shape: TreeShape, accepted_ranks: tuple, entropy: float = 0.0, **_) -> None:
         self.h = entropy

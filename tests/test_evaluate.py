@@ -13,7 +13,7 @@ from mtp_train.errors import MtpError
 from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
 
 CORE_KEYS = {"tau", "alpha", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
-             "greedy_match_rate", "identical_to_greedy", "n_prompts", "new_tokens"}
+             "greedy_match_rate", "identical_to_greedy", "n_prompts", "new_tokens", "speedup_vs_best_hf"}
 FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=3",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
         "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4"]
@@ -97,6 +97,61 @@ def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_head
     assert saved["details"]["hf_generate"]["speedup_rounds"] == [1.0, 1.0, 1.0]
     g = saved["modes"]["greedy"]["speedup_vs_hf"]
     assert saved["details"]["verify"]["plausible_max_speedup"] == pytest.approx(1.15 * v["tau"] * max(1.0, g))
+
+
+def test_tree_modes_are_lossless_and_the_report_says_what_this_machine_chose(trained_heads):
+    root = trained_heads
+    assert (root / "train" / "tree_stats.json").is_file()  # written by mtp-train beside the heads
+    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,verify,tree,dynamic,adaptive]", "eval.rounds=1",
+                                "eval.tree_budgets=[3,5]", "eval.dtype=float32"))
+    modes = report["modes"]
+    for name in ("verify", "tree", "dynamic", "adaptive"):
+        assert modes[name]["identical_to_greedy"] is True, name
+    dec = report["decoder"]
+    assert dec["dtype"] == "float32" and set(dec["matmul_layout"]) <= set("LT{}:x0123456789' ,")
+    costs = dec["verify_costs"]["costs"]
+    assert costs[1] == 1.0 and {2, 3, 4, 6} <= set(costs)  # the chain (k=2) and trees of 3 and 5 nodes
+    trees = dec["trees"]
+    labels = [r["label"] for r in trees["candidates"]]
+    assert labels[0] == "chain2" and trees["static"] in labels and trees["rank_positions"] > 0
+    for r in trees["candidates"]:
+        assert r["cost"] == pytest.approx(r["verify_cost"] + r["draft_cost"])
+        assert r["rate"] == pytest.approx(r["predicted_tau"] / r["cost"])
+    best = max(trees["candidates"], key=lambda r: r["rate"])
+    assert trees["static"] == best["label"]  # the size the measured costs favour
+    assert set(report["hf_dtypes"]) == {"float32", "bfloat16"}
+    fastest = max(report["hf_dtypes"].values())
+    for m in modes.values():
+        assert m["speedup_vs_best_hf"] == pytest.approx(m["speedup_vs_hf"] * report["hf_dtypes"]["float32"] / fastest)
+    assert report["machine"]["cpu"] and (root / "eval" / "verify_costs.png").stat().st_size > 0
+    ent = run_eval(_eval_cfg(root, "eval.modes=[greedy,adaptive]", "eval.adaptive_policy=entropy", "eval.rounds=1",
+                             "eval.tree_budgets=[3]", "eval.dtype=float32", "force=true"))
+    assert ent["modes"]["adaptive"]["identical_to_greedy"] is True
+    assert len(ent["decoder"]["trees"]["entropy_trees"]) == 4
+
+
+def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_them(trained_heads, tmp_path):
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.cli.train import run_train
+    from mtp_train.config import validate
+
+    root = trained_heads
+    old = tmp_path / "train"
+    shutil.copytree(root / "train", old)
+    (old / "tree_stats.json").unlink()
+    with pytest.raises(MtpError, match=r"eval.modes: mode tree .*tree_stats.json.*mtp-train"):
+        run_eval(_eval_cfg(root, f"eval.heads={old}", "eval.modes=[tree]"))
+    before = (old / "heads.safetensors").read_bytes()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(compose("config", overrides=[f"paths.root_dir={root}", f"paths.output_dir={old}",
+                                                    *FAST, "heads.k=2"]))
+    metrics = run_train(cfg)
+    assert (old / "tree_stats.json").is_file() and "val/sim_tau_tree" in metrics
+    assert (old / "heads.safetensors").read_bytes() == before  # validation only
 
 
 def test_eval_bad_inputs_name_the_problem(trained_heads, tmp_path):
