@@ -346,7 +346,7 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     report["step_costs"] = costs
     if plan:
         report["decoder"] = {"matmul_layout": mm.describe(), "dtype": str(backbone.model.dtype).replace("torch.", ""),
-                             "verify_costs": plan["curve"], "trees": plan["summary"]}
+                             "verify_costs": _json_keys(plan["curve"]), "trees": plan["summary"]}
     report["k"] = k
     report["sim_tau"] = sim_tau
     report["rounds"] = rounds
@@ -514,6 +514,12 @@ def hf_dtype_probe(backbone, prompts: list[list[int]], eos: list[int], max_new_t
             toks[b.model.dtype] += len(out)
     del other
     return {str(d).replace("torch.", ""): toks[d] / secs[d] if secs[d] else 0.0 for d in secs}
+
+
+def _json_keys(curve: dict) -> dict:
+    """The cost curve with string keys, as it reads back from eval_report.json."""
+    return {**curve, "costs": {str(n): c for n, c in curve["costs"].items()},
+            "spread": {str(n): v for n, v in curve["spread"].items()}}
 
 
 def _as_list(x) -> list:

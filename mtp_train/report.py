@@ -44,20 +44,22 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
     modes = (report or {}).get("modes", {})
     flagged = flagged_modes(report)
     rows = []
-    if v := modes.get("verify"):
-        same = v.get("identical_to_greedy")
-        note = ", speedup implausible (flagged)" if "verify" in flagged else ""
-        rows.append(("verify: speedup vs HF generate, identical output", f">= {TARGETS['verify_speedup']}x",
-                     f"{v['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical") + note,
-                     bool(same) and v["speedup_vs_hf"] >= TARGETS["verify_speedup"] and not note))
+
+    def lossless_row(mode: str, what: str, want: float) -> tuple[dict, str]:
+        m = modes[mode]
+        same = m.get("identical_to_greedy")
+        note = ", speedup implausible (flagged)" if mode in flagged else ""
+        rows.append((what, f">= {want}x", f"{m['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical")
+                     + note, bool(same) and m["speedup_vs_hf"] >= want and not note))
+        return m, note
+
+    if "verify" in modes:
+        v, note = lossless_row("verify", "verify: speedup vs HF generate, identical output", TARGETS["verify_speedup"])
         rows.append(("verify: tau", f">= {TARGETS['verify_tau']}", f"{v['tau']:.2f}{note}",
                      v["tau"] >= TARGETS["verify_tau"] and not note))
-    if t := modes.get("tree"):
-        same = t.get("identical_to_greedy")
-        note = ", speedup implausible (flagged)" if "tree" in flagged else ""
-        rows.append(("tree: speedup vs HF generate (same dtype), identical output", f">= {TARGETS['tree_speedup']}x",
-                     f"{t['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical") + note,
-                     bool(same) and t["speedup_vs_hf"] >= TARGETS["tree_speedup"] and not note))
+    if "tree" in modes:
+        t, note = lossless_row("tree", "tree: speedup vs HF generate (same dtype), identical output",
+                               TARGETS["tree_speedup"])
         if (best := t.get("speedup_vs_best_hf")) is not None:
             rows.append(("tree: speedup vs the faster of fp32 and bf16 HF generate",
                          f">= {TARGETS['tree_best_speedup']}x", f"{best:.2f}x{note}",
