@@ -1,15 +1,17 @@
 """mtp-eval's measurements: every decoding mode and HF `generate` greedy on the same prompts, in one
 process, after a warm-up; the quality signals that need no judge; the report, plots and table.
 
-`eval_report.json` holds, under "modes", one object per mode with exactly these keys (ALGORITHMS.md,
+`eval_report.json` holds, under "modes", one object per mode with exactly these keys (README,
 "Metrics"): tau (committed tokens per backbone forward after the prefill), alpha (per-depth
 acceptance: kept / reached), tokens_per_s, speedup_vs_hf (HF's wall time / the mode's, prefill
 included), repetition_ratio (1 - unique / total 4-grams, averaged over outputs), backbone_nll (the
 backbone's mean per-token NLL of the output, teacher-forced), greedy_match_rate (outputs identical to
-our greedy's; lossy modes), identical_to_greedy, n_prompts, new_tokens. Under "details", per mode:
+our greedy's; lossy modes), identical_to_greedy, n_prompts, new_tokens, speedup_vs_best_hf (against
+the faster of fp32 and bf16 HF generate, from `hf_dtype_probe`). Under "details", per mode:
 first_divergence (mean first differing position over outputs that differ), wall_s, prefill_s,
 decode_s and accept_hist. Top level: step_cost (forward over k+1 tokens / over 1), the heads'
-training-time val/sim_tau next to the measured tau, and the prompts skipped as too long.
+training-time val/sim_tau next to the measured tau, the prompts skipped as too long, and "decoder":
+the matmul layout, dtype, verify cost curve and the trees weighed against it (docs/decoding.md).
 
 Timing runs in eval.rounds rounds; in each, every prompt is decoded by HF generate and every mode in
 an order that rotates with the prompt and the round, so no mode always runs first. Outputs and

@@ -1,5 +1,5 @@
 """Token trees: static tree shapes grown from the heads' rank statistics, the attention mask and
-position ids of a tree forward, and greedy acceptance (docs/trees.md; ALGORITHMS "Token trees").
+position ids of a tree forward, and greedy acceptance (docs/decoding.md, "Trees").
 
 Pure torch and Python: no transformers, no Lightning.
 
