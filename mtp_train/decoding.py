@@ -753,11 +753,6 @@ class Decoder:
             self.drafter.reset()
             return statistics.median(times)
 
-    def step_costs(self, context: int = 128, reps: int = 5) -> list[float]:
-        """Forward over n + 1 tokens relative to one, n = 0..k (the chain's verify cost curve)."""
-        c = self.verify_costs(sizes=tuple(range(1, self.k + 2)), context=context, rounds=reps)["costs"]
-        return [c[n + 1] for n in range(self.k + 1)]
-
 
 def _entropy(logits: torch.Tensor) -> float:
     lp = torch.log_softmax(logits.float(), -1)

@@ -369,7 +369,7 @@ def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
     entropy bucket (adaptive, entropy policy: EntMTP). Without rank statistics the chain stands in
     for the static tree and the entropy policy uses chains."""
     from mtp_train.decoding import DynamicTree
-    from mtp_train.trees import TreeShape, expected_accepted, grow_tree
+    from mtp_train.trees import TreeShape, expected_accepted, grow_tree, pareto_front
 
     k = dec.k
     shapes = {TreeShape.chain(k).paths: TreeShape.chain(k)}
@@ -406,10 +406,7 @@ def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
     empty = {"shape": TreeShape(()), "predicted_tau": 1.0, "cost": 1.0}
     cands = [empty, *scored] if scored else [empty, *({**r, "predicted_tau": 1.0 + 0.5 * r["nodes"]}
                                                       for r in rows)]
-    front = [c for c in cands if not any(
-        o is not c and o["predicted_tau"] >= c["predicted_tau"] and o["cost"] <= c["cost"]
-        and (o["predicted_tau"] > c["predicted_tau"] or o["cost"] < c["cost"]) for o in cands)]
-    front.sort(key=lambda c: c["cost"])
+    front = pareto_front(cands)
     by_entropy = None
     if total:
         by_entropy = []

@@ -241,19 +241,14 @@ def cross_fit_tau(rank_rows: torch.Tensor, budget: int, max_rank: int) -> float:
     return sum(taus) / 2
 
 
-def pareto_trees(prefix: Counter, total: int, costs: dict[int, float], budgets, k: int) -> list[dict]:
-    """For each node budget, the grown tree with its predicted tau and cost (verify forward of n + 1
-    tokens relative to one, from `costs`), keeping only trees no other beats on both."""
-    cands = [{"shape": TreeShape(()), "tau": 1.0, "cost": costs.get(1, 1.0)}]
-    for b in budgets:
-        shape = grow_tree(prefix, b, k)
-        if shape.n == 0 or shape.n + 1 not in costs:
-            continue
-        cands.append({"shape": shape, "tau": 1.0 + expected_accepted(shape, prefix, total),
-                      "cost": costs[shape.n + 1]})
-    front = [c for c in cands if not any(o is not c and o["tau"] >= c["tau"] and o["cost"] <= c["cost"]
-                                         and (o["tau"] > c["tau"] or o["cost"] < c["cost"]) for o in cands)]
-    return sorted(front, key=lambda c: c["cost"])
+def pareto_front(cands: list[dict]) -> list[dict]:
+    """The candidates (dicts with "predicted_tau" and "cost") that no other beats on both, cheapest
+    first."""
+    def beaten(c):
+        return any(o is not c and o["predicted_tau"] >= c["predicted_tau"] and o["cost"] <= c["cost"]
+                   and (o["predicted_tau"] > c["predicted_tau"] or o["cost"] < c["cost"]) for o in cands)
+
+    return sorted((c for c in cands if not beaten(c)), key=lambda c: c["cost"])
 
 
 # ---------------------------------------------------------------------------------------------------
