@@ -47,7 +47,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_ARGS)
 	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.heads=runs/demo/train hydra.run.dir=runs/demo/clp $(DEMO_ARGS)
 	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.heads=runs/demo/train eval.clp=runs/demo/clp/clp \
-	  eval.gate=runs/demo/clp/gate "eval.modes=[verify,tree,adaptive,clp,clp+verify]" eval.prompt_source=unseen \
+	  eval.gate=runs/demo/clp/gate "eval.modes=[verify,tree,clp]" eval.prompt_source=unseen \
 	  hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
 	$(VENV)/bin/mtp-report runs/demo
 

@@ -24,6 +24,7 @@ BACKBONE_SOURCES = ("hf", "gguf", "tiny")
 DATA_SOURCES = ("sharegpt", "jsonl", "disk", "tiny")
 DTYPES = ("float32", "bfloat16", "float16")
 SEGMENT_RULES = ("diff", "zscore")
+LR_SCHEDULES = ("cosine", "constant", "wsd")
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -122,9 +123,28 @@ class HeadsConfig:
 
 
 @dataclass
+class LossSchedule:
+    """Switch losses during training: loss.name until `at` x trainer.max_steps, then `then`."""
+
+    then: str | None = None  # null: loss.name throughout
+    at: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.then is not None:
+            _choice(self.then, LOSS_NAMES, "loss.schedule.then")
+        _check(0 <= self.at <= 1, "loss.schedule.at", f"must be a fraction of the steps in [0, 1], got {self.at}")
+
+
+@dataclass
 class LossConfig:
     name: str = "ce"
     depth_weights: list[float] | None = None  # lambda_j per depth; None = all ones
+    schedule: LossSchedule = field(default_factory=LossSchedule)
+    # top-K distillation (HASS): + topk_weight x CE of each head against the backbone's K most
+    # likely tokens (their probabilities renormalised), which rewards ranking them 2..K, where token
+    # trees look for drafts; 0 = off
+    topk: int = 0
+    topk_weight: float = 1.0
     adamtp: bool = False
     segment_rule: str = "diff"
     theta: float = 1.0  # diff rule: boundary when H_t - H_{t-1} > theta
@@ -135,9 +155,16 @@ class LossConfig:
         _choice(self.name, LOSS_NAMES, "loss.name")
         _choice(self.segment_rule, SEGMENT_RULES, "loss.segment_rule")
         _check(self.zscore_window >= 2, "loss.zscore_window", "must be >= 2")
+        _check(self.topk >= 0, "loss.topk", f"must be >= 0 (0 = off), got {self.topk}")
+        _check(self.topk_weight >= 0, "loss.topk_weight", f"must be >= 0, got {self.topk_weight}")
         if self.depth_weights is not None:
             _check(all(w >= 0 for w in self.depth_weights), "loss.depth_weights",
                    "weights must be >= 0")
+
+    def name_at(self, step: int, max_steps: int) -> str:
+        """The loss in force at optimizer step `step` of `max_steps`."""
+        s = self.schedule
+        return s.then if s.then is not None and step >= s.at * max_steps else self.name
 
 
 @dataclass
@@ -154,7 +181,10 @@ class DistillConfig:
     shard_size: int = 64
     max_train_prompts: int | None = None  # None: every train prompt
     max_val_prompts: int | None = None
-    autocast: str = "auto"  # auto: bfloat16 where the hardware has it (CUDA, AVX512-BF16/AMX CPUs), else float32
+    # auto: bfloat16 where the hardware has it (CUDA, AVX512-BF16/AMX CPUs), else float32; the
+    # hidden-state cache computes in the same dtype (so it can reuse the states kept below)
+    autocast: str = "auto"
+    keep_states: bool = True  # keep the backbone's hidden states of the distilled rows for the cache
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -207,9 +237,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    # after warm-up: cosine (to min_lr_ratio x lr), constant, or wsd (warmup-stable-decay: constant,
+    # then a cosine decay to min_lr_ratio over the last decay_fraction of the steps)
+    lr_schedule: str = "cosine"
+    decay_fraction: float = 0.2
     num_workers: int = 0
     use_cache: bool = True  # read hidden states from `mtp-prep stage=cache` when it matches
-    data_fraction: float = 1.0  # train on the first fraction of the training rows (scaling curves)
+    data_fraction: float = 1.0  # train on the first fraction of each dataset's training rows (scaling curves)
 
     def __post_init__(self) -> None:
         _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")
@@ -220,6 +254,8 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        _choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+        _check(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
 
 
 PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source

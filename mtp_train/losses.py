@@ -41,6 +41,7 @@ __all__ = [
     "e2e_tv_loss",
     "greedy_agreement",
     "kl_loss",
+    "topk_loss",
     "tv_loss",
 ]
 
@@ -216,6 +217,21 @@ def e2e_tv_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.
     loss = _safe_div(num, mw.sum())  # ()
     return LossOutput(loss=loss, per_depth=_masked_mean_per_depth(miss, m),
                       alpha=_masked_mean_per_depth(alpha.detach(), m))
+
+
+def topk_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, topk: int,
+              depth_weights: Sequence[float] | None = None, teacher_logprobs: bool = False) -> LossOutput:
+    """Top-K distillation (HASS): cross-entropy of q against the teacher restricted to its K most
+    likely tokens and renormalised there, -sum_{v in top_K(p)} p(v) / P_K log q(v), P_K = sum of
+    those p(v). It spends the head's capacity on ordering the few tokens a draft tree can hold."""
+    _check_logits(logits, teacher_logits)
+    x = _upcast(logits)  # (B, T, k, V)
+    with torch.no_grad():
+        log_p = _teacher_log_probs(teacher_logits, x.dtype, teacher_logprobs)  # (B, T, k, V)
+        top_lp, top_idx = log_p.topk(min(topk, log_p.shape[-1]), dim=-1)  # (B, T, k, K) x 2
+        w = torch.softmax(top_lp, dim=-1)  # (B, T, k, K) p renormalised over the top K
+    log_q = F.log_softmax(x, dim=-1).gather(-1, top_idx)  # (B, T, k, K)
+    return _reduce(-(w * log_q).sum(-1), mask, depth_weights)
 
 
 LOSSES = ("ce", "kl", "tv", "e2e_tv")

@@ -26,13 +26,14 @@ def backbone_stats(logits: torch.Tensor) -> dict[str, torch.Tensor]:
     lse, top, ent = [], [], []
     for s in range(0, rows.shape[0], chunk):
         x = rows[s: s + chunk].float()  # (c, V)
-        m = torch.logsumexp(x, dim=-1)  # (c,)
-        p = torch.exp(x - m[:, None])  # (c, V)
-        # H = lse - sum p x; p = 0 at -inf logits, where p * x is nan and must count as 0
-        px = torch.where(p > 0, p * x, torch.zeros_like(p))  # (c, V)
-        lse.append(m)
-        ent.append(m - px.sum(-1))
-        top.append(x.argmax(-1))
+        m, t = x.max(dim=-1)  # (c,) x 2: the max and the greedy token in one pass
+        y = (x - m[:, None]).clamp_(min=torch.finfo(torch.float32).min)  # (c, V); -inf -> finite
+        e = torch.exp(y)  # (c, V) unnormalised p
+        z = e.sum(-1)  # (c,)
+        # H = log z - sum_v p_v y_v, with p = e / z; the clamp keeps 0 * (-inf) out of the dot
+        lse.append(m + torch.log(z))
+        ent.append(torch.log(z) - torch.linalg.vecdot(e, y) / z)
+        top.append(t)
     if not lse:
         z = logits.new_zeros(shape, dtype=torch.float32)
         return {"lse": z, "top": z.long(), "entropy": z.clone()}
@@ -75,3 +76,16 @@ def teacher_log_probs(hidden: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     b, pos = positions_ahead(rows, k)  # (N, 1), (N, k)
     # a clamped past-the-end position may not be needed by anyone: -1 reads an arbitrary row, masked
     return proj[index[b, pos]]  # (N, k, V')
+
+
+@torch.no_grad()
+def stats_from_hidden(hidden: torch.Tensor, lm_head) -> dict[str, torch.Tensor]:
+    """`backbone_stats` of lm_head(hidden) for hidden (..., d), computed over chunks of positions
+    so that no (..., V) tensor exists at once (the cache build and distillation use this)."""
+    shape = hidden.shape[:-1]
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (n, d)
+    chunk = max(1, _CHUNK_ELEMS // max(lm_head.weight.shape[0], 1))
+    parts = [backbone_stats(lm_head(rows[s: s + chunk])) for s in range(0, rows.shape[0], chunk)]
+    if not parts:
+        return backbone_stats(hidden.new_zeros(*shape, 1))
+    return {k: torch.cat([p[k] for p in parts]).reshape(shape) for k in parts[0]}

@@ -112,9 +112,62 @@ def test_a_killed_cache_build_resumes_from_its_shards(typed_cfg, monkeypatch):
     calls = []
     real = cache_mod._hidden_rows
     monkeypatch.setattr(cache_mod, "_hidden_rows", lambda *a: calls.append(1) or real(*a))
-    cache_mod.build_cache(splits, backbone, path, key, 96, shard_rows=8, batch_size=8)
+    cache_mod.build_cache(splits, backbone, path, key, 96, shard_rows=8, batch_tokens=8 * 96)
     assert len(calls) == 1  # only the missing shard was computed
     again = cache_mod.HiddenCache(path)
     for s in splits:
         for i, ref in enumerate(reference[s]):
             np.testing.assert_array_equal(again.row(s, i), ref)
+
+
+def test_length_batches_group_similar_rows_within_the_token_budget():
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(1, 200, size=300)]
+    batches = cache_mod.length_batches(lengths, 512)
+    assert sorted(i for b in batches for i in b) == list(range(300))  # every row once
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert len(b) == 1 or len(b) * longest <= 512
+    # longest first, so a batch's rows are never longer than the previous batch's shortest
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(flat, reverse=True)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded <= 1.1 * sum(lengths)  # far less padding than row-order batches of 8
+    assert cache_mod.length_batches([600, 10], 512) == [[0], [1]]
+
+
+def test_distilled_states_are_reused_and_equal_a_fresh_forward(typed_cfg, tmp_path):
+    """Distillation keeps the states generate computed; the cache copies them. Both must equal
+    the cache's own forward over the same rows (computed here with `known=None`)."""
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.prep import cache_compute
+    from mtp_train.lit.data import load_splits
+
+    cfg = typed_cfg(*FAST)
+    for stage in ("data", "distill"):
+        run_prep(dataclasses.replace(cfg, stage=stage))
+    backbone = load_backbone(cfg.backbone)
+    key, _ = cache_location(cfg, backbone)
+    splits = load_splits(data_dirs(cfg))
+    compute = cache_compute(cfg, backbone)
+    known = cache_mod.reusable_states(data_dirs(cfg), backbone.identity, compute)
+    assert known is not None
+    m_reused = cache_mod.build_cache(splits, backbone, tmp_path / "reused", key, 96, known=known)
+    m_fresh = cache_mod.build_cache(splits, backbone, tmp_path / "fresh", key, 96)
+    assert m_reused["tokens_computed_this_run"] == 0 and m_reused["tokens_reused_this_run"] == m_fresh["tokens"]
+    reused, fresh = cache_mod.HiddenCache(tmp_path / "reused"), cache_mod.HiddenCache(tmp_path / "fresh")
+    for s in splits:
+        for i in range(len(splits[s])):
+            a, b = reused.states(s, i), fresh.states(s, i)
+            np.testing.assert_allclose(a[0].astype(np.float32), b[0].astype(np.float32), rtol=2e-3, atol=2e-3)
+            np.testing.assert_allclose(a[1], b[1], rtol=1e-4, atol=1e-4)  # lse, entropy
+            assert (a[2] == b[2]).mean() > 0.99  # greedy tokens (a near-tie may flip)
+    # with the original rows first (train.data_use=mix), only the distilled rows have states
+    mix = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, data_use="mix"))
+    known_mix = cache_mod.reusable_states(data_dirs(mix), backbone.identity, compute)
+    n_labelled = len(load_splits(data_dirs(mix))["train"]) - len(splits["train"])
+    assert n_labelled > 0 and known_mix("train", 0) is None and known_mix("train", n_labelled - 1) is None
+    np.testing.assert_array_equal(known_mix("train", n_labelled + 3)[0], known("train", 3)[0])
+    # states made in another dtype or by another backbone are not reused
+    assert cache_mod.reusable_states(data_dirs(cfg), backbone.identity, "bfloat16") is None
+    assert cache_mod.reusable_states(data_dirs(cfg), {"name": "other"}, compute) is None

@@ -411,3 +411,32 @@ def test_teacher_logprobs_on_a_draft_vocabulary_use_the_unrenormalised_p():
                         teacher_logprobs=True).loss
     other = compute_loss("kl", q_sub, teacher_logits=sub, mask=m, teacher_logprobs=True).loss
     assert best < other
+
+
+def test_topk_loss_matches_a_per_position_loop_and_its_gradient():
+    from mtp_train.losses import topk_loss
+
+    torch.manual_seed(3)
+    logits = torch.randn(2, 3, 2, 11, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(2, 3, 2, 11, dtype=torch.float64)
+    mask = torch.rand(2, 3, 2) > 0.3
+    out = topk_loss(logits, teacher, mask, topk=4)
+    per = torch.zeros(2, 3, 2, dtype=torch.float64)
+    for b in range(2):
+        for t in range(3):
+            for j in range(2):
+                p = torch.softmax(teacher[b, t, j], -1)
+                top = sorted(range(11), key=lambda v: -p[v].item())[:4]
+                z = sum(p[v] for v in top)
+                logq = torch.log_softmax(logits[b, t, j], -1)
+                per[b, t, j] = -sum(p[v] / z * logq[v] for v in top)
+    ref = torch.stack([per[..., j][mask[..., j]].mean() for j in range(2)])
+    torch.testing.assert_close(out.per_depth, ref)
+    torch.testing.assert_close(out.loss, ref.mean())
+    g, = torch.autograd.grad(out.loss, logits)
+    g_ref, = torch.autograd.grad(ref.mean(), logits)
+    torch.testing.assert_close(g, g_ref)
+    # K = V is the full cross-entropy to p, i.e. KL + H(p): equal gradients with kl_loss
+    full = topk_loss(logits, teacher, mask, topk=11)
+    kl = kl_loss(logits, teacher, mask)
+    torch.testing.assert_close(torch.autograd.grad(full.loss, logits)[0], torch.autograd.grad(kl.loss, logits)[0])

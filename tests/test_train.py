@@ -218,7 +218,7 @@ def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
 
 def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg, tmp_path):
     from mtp_train.cli.prep import data_dirs
-    from mtp_train.lit.data import load_splits
+    from mtp_train.lit.data import first_fraction, load_splits
 
     run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=1", f"paths.output_dir={tmp_path}/all"))
     cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=1", "train.data_fraction=0.25",
@@ -226,8 +226,90 @@ def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg
     run_train(cfg)
     full = json.loads((tmp_path / "all" / "heads.json").read_text())["recipe"]
     quarter = json.loads((tmp_path / "quarter" / "heads.json").read_text())["recipe"]
-    rows = load_splits(data_dirs(cfg))["train"]["input_ids"]
-    n = round(0.25 * len(rows))
-    assert quarter["train_rows"] == n and full["train_rows"] == len(rows)
+    sizes = []
+    rows = load_splits(data_dirs(cfg), sizes)["train"]["input_ids"]
+    keep = first_fraction([s["train"] for s in sizes], 0.25)  # the first quarter of each source
+    assert quarter["train_rows"] == len(keep) < full["train_rows"] == len(rows)
     crop = cfg.train.max_length or cfg.data.max_length
-    assert quarter["train_tokens"] == sum(min(len(r), crop) for r in rows[:n]) < full["train_tokens"]
+    assert quarter["train_tokens"] == sum(min(len(rows[i]), crop) for i in keep) < full["train_tokens"]
+
+
+def test_a_data_fraction_of_mixed_data_takes_each_source_alike(typed_cfg, tmp_path):
+    from mtp_train.cli.prep import data_dirs
+    from mtp_train.lit.data import first_fraction, load_splits
+
+    assert first_fraction([8, 4], 0.25) == [0, 1, 8]
+    assert first_fraction([8, 0, 3], 0.1) == [0, 8]  # at least one row of a non-empty part
+    cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=1", "train.data_use=mix", "train.data_fraction=0.5",
+                    f"paths.output_dir={tmp_path}/half")
+    run_train(cfg)
+    sizes = []
+    load_splits(data_dirs(cfg), sizes)
+    half = json.loads((tmp_path / "half" / "heads.json").read_text())["recipe"]
+    assert len(sizes) == 2 and half["train_rows"] == sum(round(0.5 * s["train"]) for s in sizes)
+
+
+def test_loss_schedule_switches_the_loss_part_way(typed_cfg):
+    from types import SimpleNamespace
+
+    from mtp_train.config import LossConfig, LossSchedule
+    from mtp_train.lit.module import MTPHeadsModule
+
+    lc = LossConfig(name="kl", schedule=LossSchedule(then="e2e_tv", at=0.5))
+    assert [lc.name_at(s, 10) for s in (0, 4, 5, 9)] == ["kl", "kl", "e2e_tv", "e2e_tv"]
+    assert LossConfig(name="kl").name_at(9, 10) == "kl"
+    heads = torch.nn.Linear(2, 2)
+    heads.k = 2
+    module = MTPHeadsModule(None, heads, lc, typed_cfg(*FAST).train)
+    for step, want in ((3, "kl"), (6, "e2e_tv")):  # the module reads the step from its trainer
+        module._trainer = SimpleNamespace(max_steps=10, global_step=step)
+        assert module.loss_name() == want
+    # end to end: the switch and the top-K term train and log
+    metrics = run_train(typed_cfg(*FAST, "loss=kl", "loss.schedule.then=e2e_tv", "loss.schedule.at=0.5",
+                                  "loss.topk=4"))
+    assert 1.0 <= metrics["val/sim_tau"] <= 4.0 and "val/loss_topk" in metrics
+
+
+def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(typed_cfg):
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads import build_heads
+    from mtp_train.lit.module import MTPHeadsModule, lr_scheduler
+
+    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "train.weight_decay=0.5")
+    backbone = load_backbone(cfg.backbone)
+    heads = build_heads(cfg.heads, backbone)
+    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+    decayed, plain = module.param_groups()
+    names = {id(p): n for n, p in heads.named_parameters()}
+    assert decayed["weight_decay"] == 0.5 and plain["weight_decay"] == 0.0
+    assert plain["params"] and all(p.dim() == 1 for p in plain["params"])
+    assert any("norm" in names[id(p)] for p in plain["params"])
+    assert all(p.dim() >= 2 for p in decayed["params"])
+    # with zero gradients AdamW only decays: matrices shrink, norms and biases stay
+    opt = torch.optim.AdamW(module.param_groups(), lr=0.1)
+    before = {id(p): p.detach().clone() for p in heads.parameters()}
+    for p in heads.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in plain["params"]:
+        assert torch.equal(p, before[id(p)])
+    for p in decayed["params"]:
+        torch.testing.assert_close(p, before[id(p)] * (1 - 0.1 * 0.5))
+
+    def lrs(schedule):
+        tc = typed_cfg(*FAST, f"train.lr_schedule={schedule}", "train.warmup_steps=10", "train.lr=1.0",
+                       "train.min_lr_ratio=0.1", "train.decay_fraction=0.2").train
+        o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched, out = lr_scheduler(o, tc, 100), []
+        for _ in range(100):
+            out.append(o.param_groups[0]["lr"])
+            o.step()
+            sched.step()
+        return out
+
+    cos, const, wsd = lrs("cosine"), lrs("constant"), lrs("wsd")
+    for xs in (cos, const, wsd):
+        assert xs[0] <= 0.1 and xs[:11] == sorted(xs[:11]) and xs[10] == pytest.approx(1.0)  # warm-up
+    assert const[99] == 1.0
+    assert all(x == pytest.approx(1.0) for x in wsd[10:80]) and wsd[99] < 0.15  # stable, then decay
+    assert cos[50] < 1.0 and cos[99] == pytest.approx(0.1, abs=0.01)

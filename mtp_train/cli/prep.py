@@ -34,11 +34,18 @@ def data_dirs(cfg: Config) -> list[Path]:
             "mix": [labelled_dir(cfg), distilled_dir(cfg)]}[cfg.train.data_use]
 
 
+def cache_compute(cfg: Config, backbone) -> str:
+    """The dtype the cache runs the backbone in: distillation's (data.distill.autocast)."""
+    from mtp_train.data.distill import resolve_autocast
+
+    return resolve_autocast(backbone.device, cfg.data.distill.autocast)
+
+
 def cache_location(cfg: Config, backbone) -> tuple[str, Path]:
-    from mtp_train.data.cache import cache_key, cache_path
+    from mtp_train.data.cache import STATES_DTYPE, cache_key, cache_path
 
     max_length = cfg.train.max_length or cfg.data.max_length
-    key = cache_key(data_dirs(cfg), backbone.identity, max_length, "float16")
+    key = cache_key(data_dirs(cfg), backbone.identity, max_length, STATES_DTYPE, cache_compute(cfg, backbone))
     return key, cache_path(Path(cfg.data.output_dir), key)
 
 
@@ -127,16 +134,21 @@ def _check_labelled_is_current(cfg: Config, tokenizer) -> None:
 
 def _stage_cache(cfg: Config) -> dict:
     from mtp_train.backbone import load_backbone
-    from mtp_train.data.cache import build_cache
+    from mtp_train.data.cache import build_cache, reusable_states
     from mtp_train.lit.data import load_splits
 
     backbone = load_backbone(cfg.backbone)
     key, out = cache_location(cfg, backbone)
+    compute = cache_compute(cfg, backbone)
     m = build_cache(load_splits(data_dirs(cfg)), backbone, out, key,
-                    cfg.train.max_length or cfg.data.max_length)
+                    cfg.train.max_length or cfg.data.max_length, compute=compute,
+                    known=reusable_states(data_dirs(cfg), backbone.identity, compute))
+    reused = m.get("tokens_reused_this_run", 0)
     return {"where": str(out),
             "rows": f"{m['tokens']:,} tokens of train.data_use={cfg.train.data_use}, "
-                    f"{m['bytes'] / 2**20:,.1f} MiB, {m['bytes_per_token']:,} bytes per token"}
+                    f"{m['bytes'] / 2**20:,.1f} MiB, {m['bytes_per_token']:,} bytes per token, "
+                    f"computed in {compute}"
+                    + (f"; {reused:,} tokens' states kept from distillation" if reused else "")}
 
 
 STAGE_FNS = {"backbone": _stage_backbone, "data": _stage_data, "distill": _stage_distill,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,12 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "validation")
 NP_DTYPES = {"float16": np.float16, "float32": np.float32}
 FORMAT = 2  # 2: hidden states + backbone stats; bump when the stored layout changes
+STATES = "states"  # a distilled dataset's subdirectory with its rows' states (cache layout)
+STATES_DTYPE = "float16"  # how hidden states are stored
 
 
-def cache_key(data_dirs: list[Path], backbone_identity: dict | None, max_length: int, dtype: str) -> str:
+def cache_key(data_dirs: list[Path], backbone_identity: dict | None, max_length: int, dtype: str,
+              compute: str = "float32") -> str:
     manifests = []
     for d in data_dirs:
         m = read_manifest(d)
@@ -40,64 +44,138 @@ def cache_key(data_dirs: list[Path], backbone_identity: dict | None, max_length:
             raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` first")
         manifests.append(m["config_hash"])
     return config_hash({"data": manifests, "backbone": backbone_identity, "max_length": max_length,
-                        "dtype": dtype, "format": FORMAT})
+                        "dtype": dtype, "compute": compute, "format": FORMAT})
+
+
+def reusable_states(data_dirs: list[Path], backbone_identity: dict | None, compute: str,
+                    dtype: str = STATES_DTYPE) -> Callable[[str, int], RowStates | None] | None:
+    """(split, i) over the rows of `data_dirs` concatenated (as `load_splits` does) -> the row's
+    states when a stage before stored them (`<dir>/states`, written by self-distillation) with this
+    backbone, compute dtype and storage dtype, else None. None when no directory has such states."""
+    parts, any_states = [], False
+    for d in data_dirs:
+        rows = (read_manifest(d) or {}).get("splits") or {}
+        sm = read_manifest(Path(d) / STATES)
+        ok = (sm is not None and sm.get("backbone") == backbone_identity and sm.get("compute") == compute
+              and sm.get("dtype") == dtype and sm.get("rows") == rows)
+        if sm is not None and not ok:
+            log.info("cache: the states in %s were made otherwise (%s); recomputing those rows",
+                     Path(d) / STATES, {k: sm.get(k) for k in ("compute", "dtype")})
+        parts.append((rows, HiddenCache(Path(d) / STATES) if ok else None))
+        any_states |= ok
+    if not any_states:
+        return None
+
+    def get(split: str, i: int) -> RowStates | None:
+        for rows, states in parts:
+            if i < rows.get(split, 0):
+                return states.states(split, i) if states is not None else None
+            i -= rows.get(split, 0)
+        return None
+
+    return get
 
 
 def cache_path(base: Path, key: str) -> Path:
     return Path(base) / f"cache-{key}"
 
 
-def _shard_file(out: Path, split: str, idx: int) -> Path:
+def shard_file(out: Path, split: str, idx: int) -> Path:
     return out / f"{split}-{idx:05d}.npy"
+
+
+# A row's stored states: hidden (T, d) in the storage dtype, stats (T, 2) float32 [lse, entropy],
+# greedy tokens (T,) int32
+RowStates = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Row indices in batches of similar length, longest first: a batch's rows x its longest row
+    stays within `batch_tokens` (a longer row goes alone), so right-padding wastes little."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 @torch.no_grad()
 def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dtype: str = "float16",
-                shard_rows: int = 256, batch_size: int = 8) -> dict:
-    """Hidden states of every row of `splits` ({split: dataset with input_ids}) into `out`."""
+                shard_rows: int = 256, batch_tokens: int = 4096, compute: str = "float32",
+                known: Callable[[str, int], RowStates | None] | None = None) -> dict:
+    """Hidden states of every row of `splits` ({split: dataset with input_ids}) into `out`.
+
+    Rows are run in batches of similar length (`length_batches`) under autocast to `compute`;
+    `known(split, i)` may hand over a row's states computed earlier (self-distillation keeps the
+    states of the rows it generates), which are then cropped and stored instead of recomputed."""
     out = Path(out)
     if (m := read_manifest(out)) is not None and m.get("config_hash") == key:
         log.info("cache: %s is up to date", out)
         return m
     out.mkdir(parents=True, exist_ok=True)
-    t0, tokens = time.time(), 0
+    t0, tokens, computed, reused = time.time(), 0, 0, 0
     total = sum(len(splits[s]) for s in SPLITS)
     bar = tqdm(total=total, unit="row", desc="hidden-state cache", dynamic_ncols=True)
     for split in SPLITS:
         rows = splits[split]
         for idx, start in enumerate(range(0, len(rows), shard_rows)):
             end = min(start + shard_rows, len(rows))
-            final = _shard_file(out, split, idx)
+            final = shard_file(out, split, idx)
             if final.is_file():  # finished by an earlier (killed) run
                 bar.update(end - start)
                 continue
             ids = [list(r)[:max_length] for r in rows.select(range(start, end))["input_ids"]]
-            parts = []
-            for b in range(0, len(ids), batch_size):  # the bar moves per batch, not per shard
-                parts.append(_hidden_rows(backbone, ids[b: b + batch_size], dtype))
-                bar.update(len(ids[b: b + batch_size]))
-            hidden = np.concatenate([p[0] for p in parts])  # (tokens, d)
+            states: dict[int, RowStates] = {}
+            for j in range(len(ids)):
+                got = known(split, start + j) if known is not None else None
+                if got is not None and len(got[0]) >= len(ids[j]):
+                    states[j] = tuple(a[: len(ids[j])] for a in got)  # causal: a prefix's states
+                    reused += len(ids[j])
+            bar.update(len(states))
+            todo = [j for j in range(len(ids)) if j not in states]
+            for batch in length_batches([len(ids[j]) for j in todo], batch_tokens):
+                rows_b = [todo[i] for i in batch]
+                done = _hidden_rows(backbone, [ids[j] for j in rows_b], dtype, compute)
+                for j, st in zip(rows_b, done, strict=True):
+                    states[j] = st
+                    computed += len(ids[j])
+                bar.update(len(rows_b))
+            hidden = np.concatenate([states[j][0] for j in range(len(ids))])  # (tokens, d)
             offsets = np.cumsum([0] + [len(x) for x in ids]).astype(np.int64)  # (rows + 1,)
-            tmp = final.with_name(final.name + f".tmp-{os.getpid()}.npy")
-            np.save(tmp, hidden)
-            np.save(_offsets_file(final), offsets)
-            np.save(_sidecar(final, "stats"), np.concatenate([p[1] for p in parts]))  # (tokens, 2)
-            np.save(_sidecar(final, "top"), np.concatenate([p[2] for p in parts]))  # (tokens,)
-            os.replace(tmp, final)  # the hidden file last: its presence marks the shard done
+            write_shard(final, hidden, offsets, np.concatenate([states[j][1] for j in range(len(ids))]),
+                        np.concatenate([states[j][2] for j in range(len(ids))]))
             tokens += hidden.shape[0]
     bar.close()
+    elapsed = time.time() - t0
     stored = sum(f.stat().st_size for f in out.glob("*.npy"))
     n_tokens = sum(int(np.load(f, mmap_mode="r").shape[0]) for f in out.glob("*-?????.npy"))
     manifest = {"stage": "cache", "config_hash": key, "format": FORMAT, "dtype": dtype,
-                "max_length": max_length,
+                "compute": compute, "max_length": max_length,
                 "hidden_size": backbone.hidden_size,
                 "rows": {s: len(splits[s]) for s in SPLITS}, "shard_rows": shard_rows,
+                "batch_tokens": batch_tokens,
                 "tokens": n_tokens, "bytes": stored,
                 "bytes_per_token": round(stored / max(1, n_tokens), 1),
-                "elapsed_s_this_run": round(time.time() - t0, 1),
-                "tokens_per_s_this_run": round(tokens / max(time.time() - t0, 1e-9), 1)}
+                "elapsed_s_this_run": round(elapsed, 1),
+                "tokens_computed_this_run": computed, "tokens_reused_this_run": reused,
+                "tokens_per_s_this_run": round(tokens / max(elapsed, 1e-9), 1)}
     write_json_atomic(out / MANIFEST, manifest)
     return manifest
+
+
+def write_shard(final: Path, hidden: np.ndarray, offsets: np.ndarray, stats: np.ndarray,
+                top: np.ndarray) -> None:
+    """One shard: hidden (tokens, d), offsets (rows + 1,), stats (tokens, 2), top (tokens,).
+    The hidden file is written last, under a temporary name: its presence marks the shard done."""
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}.npy")
+    np.save(tmp, hidden)
+    np.save(_offsets_file(final), offsets)
+    np.save(_sidecar(final, "stats"), stats)
+    np.save(_sidecar(final, "top"), top)
+    os.replace(tmp, final)
 
 
 def _offsets_file(hidden_file: Path) -> Path:
@@ -108,10 +186,20 @@ def _sidecar(hidden_file: Path, what: str) -> Path:
     return hidden_file.with_name(f"{hidden_file.stem}.{what}.npy")
 
 
-def _hidden_rows(backbone, ids: list[list[int]], dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One right-padded batch -> the real positions' hidden states (tokens, d), stats (tokens, 2)
-    float32 [lse, entropy] and greedy tokens (tokens,) int32, rows concatenated."""
-    from mtp_train.teacher import backbone_stats
+def row_states(hidden: torch.Tensor, lm_head, dtype: str) -> RowStates:
+    """One row's final hidden states (T, d) -> what the cache stores for it; the stats come from
+    the LM head in chunks of rows, never a (T, V) float32 tensor at once."""
+    from mtp_train.teacher import stats_from_hidden
+
+    st = stats_from_hidden(hidden, lm_head)
+    return (hidden.float().cpu().numpy().astype(NP_DTYPES[dtype]),
+            torch.stack([st["lse"], st["entropy"]], -1).cpu().numpy(),  # (T, 2)
+            st["top"].cpu().numpy().astype(np.int32))
+
+
+def _hidden_rows(backbone, ids: list[list[int]], dtype: str, compute: str = "float32") -> list[RowStates]:
+    """One right-padded batch -> each row's stored states, in the order given."""
+    from mtp_train.data.distill import autocast_to
 
     T = max(len(x) for x in ids)
     inp = torch.zeros((len(ids), T), dtype=torch.long)
@@ -119,12 +207,9 @@ def _hidden_rows(backbone, ids: list[list[int]], dtype: str) -> tuple[np.ndarray
     for i, x in enumerate(ids):
         inp[i, : len(x)] = torch.as_tensor(x)
         attn[i, : len(x)] = 1
-    h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device))  # (B, T, d)
-    st = {k: v.cpu() for k, v in backbone_stats(backbone.logits(h)).items()}  # (B, T) each
-    real = attn.bool()  # (B, T); rows are right-padded, so this keeps each row's tokens in order
-    stats = torch.stack([st["lse"][real], st["entropy"][real]], -1).numpy()  # (tokens, 2)
-    return (h.float().cpu()[real].numpy().astype(NP_DTYPES[dtype]), stats,
-            st["top"][real].numpy().astype(np.int32))
+    with autocast_to(backbone.device, compute):
+        h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device))  # (B, T, d)
+        return [row_states(h[i, : len(x)], backbone.lm_head, dtype) for i, x in enumerate(ids)]
 
 
 class HiddenCache:
@@ -140,19 +225,30 @@ class HiddenCache:
 
     def _open(self, split: str):
         shards, i = [], 0
-        while (f := _shard_file(self.path, split, i)).is_file():
+        while (f := shard_file(self.path, split, i)).is_file():
             shards.append((np.load(f, mmap_mode="r", allow_pickle=False),
                            np.load(_offsets_file(f), allow_pickle=False),
                            np.load(_sidecar(f, "stats"), mmap_mode="r", allow_pickle=False),
                            np.load(_sidecar(f, "top"), mmap_mode="r", allow_pickle=False)))
             i += 1
-        return shards
+        # shards may hold different numbers of rows (distillation's do): the first row of each
+        first = np.cumsum([0] + [len(sh[1]) - 1 for sh in shards])
+        return shards, first
+
+    def rows(self, split: str) -> int:
+        return int(self._splits[split][1][-1])
 
     def _locate(self, split: str, i: int):
-        rows_per = self.manifest["shard_rows"]
-        shard = self._splits[split][i // rows_per]
-        offsets, j = shard[1], i % rows_per
-        return shard, slice(int(offsets[j]), int(offsets[j + 1]))
+        shards, first = self._splits[split]
+        if not 0 <= i < first[-1]:
+            raise IndexError(f"{self.path}: {split} has {first[-1]} rows, asked for row {i}")
+        s = int(np.searchsorted(first, i, side="right")) - 1
+        offsets, j = shards[s][1], i - int(first[s])
+        return shards[s], slice(int(offsets[j]), int(offsets[j + 1]))
+
+    def states(self, split: str, i: int) -> RowStates:
+        shard, span = self._locate(split, i)
+        return shard[0][span], shard[2][span], shard[3][span]
 
     def row(self, split: str, i: int) -> np.ndarray:
         shard, span = self._locate(split, i)

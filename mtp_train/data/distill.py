@@ -5,6 +5,12 @@ else's (Medusa-2 and EAGLE both regenerate their data). For every selected promp
 up to its first answer) the backbone generates an answer, batched with left padding, greedy or
 sampled. The row keeps the exact token ids the backbone produced: prompt + answer (+ end of turn).
 
+The backbone's final hidden states over prompt + answer come out of generation for free (a forward
+hook on the base model sees every step's; one extra step adds the last token's): with
+`data.distill.keep_states` they are stored under `<out>/states/` in the hidden-state cache's layout,
+with the per-token stats, and `mtp-prep stage=cache` copies them instead of running the backbone
+over these rows a second time (`mtp_train.data.cache.reusable_states`).
+
 Resumable: prompts are cut into fixed shards; each finished shard is written atomically under
 `<out>.shards/`, and a rerun skips finished shards, so a killed run neither redoes nor duplicates
 rows. Sampling is seeded per shard, so a resumed run writes the same rows as an uninterrupted one.
@@ -19,6 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
@@ -35,6 +42,7 @@ from mtp_train.artifacts import (
 )
 from mtp_train.config import DistillConfig
 from mtp_train.data.build import tokenizer_identity
+from mtp_train.data.cache import STATES, STATES_DTYPE, row_states, shard_file, write_shard
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
 
@@ -57,7 +65,7 @@ def distill_plan(source_manifest: dict, backbone_name: str, tokenizer, cfg: Dist
                  max_length: int, device: torch.device, backbone_identity: dict | None = None) -> dict:
     gen = {k: getattr(cfg, k) for k in ("max_new_tokens", "max_prompt_tokens", "do_sample",
                                          "batch_size", "shard_size", "max_train_prompts",
-                                         "max_val_prompts", "seed")}
+                                         "max_val_prompts", "seed", "keep_states")}
     gen["autocast"] = resolve_autocast(device, cfg.autocast)
     if cfg.do_sample:
         gen.update(temperature=cfg.temperature, top_p=cfg.top_p)
@@ -88,7 +96,7 @@ def _cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _autocast(device: torch.device, dtype_name: str):
+def autocast_to(device: torch.device, dtype_name: str):
     if dtype_name == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, dtype_name))
@@ -141,10 +149,11 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
             continue
         split, idx, start, end = w
         rows = source[split].select(range(start, end))
-        records, skipped, n_new = _generate_shard(model, tok, rows, cfg, max_length, device,
-                                                  seed=cfg.seed * 100_003 + idx + (split == "validation") * 50_000)
+        records, skipped, n_new, states = _generate_shard(
+            model, tok, rows, cfg, max_length, device,
+            seed=cfg.seed * 100_003 + idx + (split == "validation") * 50_000)
         new_tokens += n_new
-        _save_shard(shards_dir, w, records, skipped, source[split].features)
+        _save_shard(shards_dir, w, records, skipped, source[split].features, states)
         bar.update(end - start)
         bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     bar.close()
@@ -175,6 +184,8 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     }
     tmp = temp_dir_for(out_dir)
     result.save_to_disk(str(tmp))
+    if cfg.keep_states:
+        _gather_states(shards_dir, work, tmp / STATES, plan, {s: len(result[s]) for s in SPLITS})
     write_json_atomic(tmp / MANIFEST, manifest)
     publish_dir(tmp, out_dir)
     shutil.rmtree(shards_dir, ignore_errors=True)
@@ -200,7 +211,26 @@ def _empty(source_features):
     return Dataset.from_dict({k: [] for k in feats}, features=feats)
 
 
-def _save_shard(shards_dir: Path, w, records: list[dict], skipped: Counter, source_features) -> None:
+def _gather_states(shards_dir: Path, work, out: Path, plan: dict, rows: dict) -> None:
+    """The shards' states, renumbered per split in row order, as one `HiddenCache` directory."""
+    n = dict.fromkeys(SPLITS, 0)
+    for w in work:
+        src = shards_dir / _shard_name(w) / "states.npy"
+        if not src.is_file():  # a shard whose prompts were all skipped
+            continue
+        dst = shard_file(out, w[0], n[w[0]])
+        out.mkdir(parents=True, exist_ok=True)
+        for what in ("offsets", "stats", "top"):
+            shutil.move(src.with_name(f"states.{what}.npy"), dst.with_name(f"{dst.stem}.{what}.npy"))
+        shutil.move(src, dst)
+        n[w[0]] += 1
+    write_json_atomic(out / MANIFEST, {"stage": "states", "dtype": STATES_DTYPE,
+                                       "compute": plan["generation"]["autocast"],
+                                       "backbone": plan["backbone_identity"], "rows": rows})
+
+
+def _save_shard(shards_dir: Path, w, records: list[dict], skipped: Counter, source_features,
+                states: list | None = None) -> None:
     from datasets import Dataset
 
     feats = _features(source_features)
@@ -210,14 +240,20 @@ def _save_shard(shards_dir: Path, w, records: list[dict], skipped: Counter, sour
     tmp = temp_dir_for(final)
     with _quiet_datasets():
         ds.save_to_disk(str(tmp))
+    if states:
+        offsets = np.cumsum([0] + [len(st[0]) for st in states]).astype(np.int64)
+        write_shard(tmp / "states.npy", np.concatenate([st[0] for st in states]), offsets,
+                    np.concatenate([st[1] for st in states]), np.concatenate([st[2] for st in states]))
     write_json_atomic(tmp / "shard.json", {"rows": len(records), "skipped": dict(skipped)})
     publish_dir(tmp, final)
 
 
 @torch.no_grad()
 def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, device, seed: int):
-    """Answers for one shard; returns (records, skipped reasons, new tokens generated)."""
+    """Answers for one shard; returns (records, skipped reasons, new tokens generated, the records'
+    states (`cache.RowStates`, in record order) or None without data.distill.keep_states)."""
     autocast = resolve_autocast(device, cfg.autocast)
+    keep_states = cfg.keep_states
     items, skipped = [], Counter()
     for r in rows:
         msgs = prompt_messages(r["messages"])
@@ -236,6 +272,7 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
     eos_ids = _eos_ids(model, tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     answers: dict[int, list[int]] = {}
+    states: dict[int, tuple] = {}
     torch.manual_seed(seed)
     n_new = 0
     for b in range(0, len(order), cfg.batch_size):
@@ -251,15 +288,25 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
                           pad_token_id=pad_id, eos_token_id=eos_ids)
         if cfg.do_sample:
             gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
-        with _autocast(device, autocast):
+        with autocast_to(device, autocast), _HiddenTap(model.base_model if keep_states else None) as tap:
             out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
-                                 **gen_kwargs)
-        new = out[:, width:].tolist()  # (B, <= max_new_tokens)
+                                 return_dict_in_generate=True, **gen_kwargs)
+            if keep_states:
+                _forward_last(model, out, attn.to(device))
+        new = out.sequences[:, width:].tolist()  # (B, <= max_new_tokens)
         for row, i in enumerate(batch):
             answers[i] = _cut_at_eos(new[row], eos_ids)
             n_new += len(answers[i])
+        if keep_states:
+            hidden = torch.cat(tap.parts, dim=1)  # (B, width + steps, d): every input position's state
+            for row, i in enumerate(batch):
+                first = width - len(items[i][2])  # left padding
+                n = min(len(items[i][2]) + len(answers[i]), max_length)
+                with autocast_to(device, autocast):
+                    states[i] = row_states(hidden[row, first: first + n], model.get_output_embeddings(),
+                                           STATES_DTYPE)
 
-    records = []
+    records, kept = [], []
     for i, (r, msgs, ids) in enumerate(items):
         ans = answers[i]
         finished = bool(ans) and ans[-1] in eos_ids
@@ -276,7 +323,36 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
             "input_ids": input_ids, "labels": labels, "num_tokens": len(input_ids),
             "num_assistant_tokens": n_ans, "has_answer": True, "finished": finished,
         })
-    return records, skipped, n_new
+        if keep_states:
+            kept.append(states[i])
+    return records, skipped, n_new, (kept if keep_states else None)
+
+
+class _HiddenTap:
+    """Records the final hidden states of every forward of `module` (the base model) while open."""
+
+    def __init__(self, module):
+        self.module, self.parts, self.handle = module, [], None
+
+    def __enter__(self):
+        if self.module is not None:
+            self.handle = self.module.register_forward_hook(
+                lambda mod, args, out: self.parts.append(out.last_hidden_state.detach()))
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _forward_last(model, out, attn: torch.Tensor) -> None:
+    """One more decoding step over the last generated token, through generate's own KV cache, so
+    that its hidden state is recorded too (generate never runs the token it emits last)."""
+    seq = out.sequences  # (B, width + steps)
+    full = torch.cat([attn, attn.new_ones(attn.shape[0], seq.shape[1] - attn.shape[1])], 1)  # (B, W + S)
+    position = full.sum(-1, keepdim=True) - 1  # (B, 1): generate numbers positions by the mask
+    model(input_ids=seq[:, -1:], attention_mask=full, position_ids=position,
+          past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
 
 
 @contextlib.contextmanager

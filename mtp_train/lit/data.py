@@ -15,8 +15,9 @@ from mtp_train.targets import IGNORE
 COLUMNS = ["input_ids", "labels"]
 
 
-def load_splits(dirs: list[Path]):
-    """Concatenate the train and validation splits of the prepared datasets in `dirs`."""
+def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
+    """Concatenate the train and validation splits of the prepared datasets in `dirs`; `sizes`, when
+    given, receives each dataset's {split: rows} in order."""
     from datasets import concatenate_datasets, load_from_disk
 
     parts = {"train": [], "validation": []}
@@ -27,7 +28,19 @@ def load_splits(dirs: list[Path]):
         ds = load_from_disk(str(d))
         for s in parts:
             parts[s].append(ds[s].select_columns(COLUMNS))
+        if sizes is not None:
+            sizes.append({s: len(ds[s]) for s in parts})
     return {s: concatenate_datasets(p) for s, p in parts.items()}
+
+
+def first_fraction(sizes: list[int], fraction: float) -> list[int]:
+    """Row indices of the first `fraction` of each of the concatenated parts (at least one each):
+    with train.data_use=mix a fraction takes original and distilled rows alike."""
+    out, start = [], 0
+    for n in sizes:
+        out += range(start, start + (max(1, round(fraction * n)) if n else 0))
+        start += n
+    return out
 
 
 class Collator:
@@ -139,16 +152,17 @@ class MTPDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
-            splits = load_splits(self.dirs)
+            sizes = []
+            splits = load_splits(self.dirs, sizes)
             if len(splits["train"]) == 0:
                 raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
-            n = max(1, round(self.data_fraction * len(splits["train"])))
-            lengths = [min(len(r), self.max_length) for r in splits["train"]["input_ids"][:n]]
-            self.train_tokens = sum(lengths)
+            keep = first_fraction([s["train"] for s in sizes], self.data_fraction)
+            ids = splits["train"]["input_ids"]
+            self.train_tokens = sum(min(len(ids[i]), self.max_length) for i in keep)
             if self.cache is not None:
                 splits = {s: CachedRows(d, self.cache, s) for s, d in splits.items()}
-            if n < len(splits["train"]):  # the first rows (the cache is indexed by the full split)
-                splits["train"] = torch.utils.data.Subset(splits["train"], range(n))
+            if len(keep) < len(splits["train"]):  # by index: the cache is indexed by the full split
+                splits["train"] = torch.utils.data.Subset(splits["train"], keep)
             self.splits = splits
 
     def _rank_world(self) -> tuple[int, int]:

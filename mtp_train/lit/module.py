@@ -25,7 +25,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from mtp_train.config import LossConfig, TrainConfig
 from mtp_train.errors import MtpError
-from mtp_train.losses import acceptance, compute_loss
+from mtp_train.losses import LossOutput, acceptance, compute_loss, topk_loss
 from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
 from mtp_train.targets import depth_targets
 from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
@@ -117,19 +117,33 @@ class MTPHeadsModule(L.LightningModule):
                          sync_dist=split == "val")
             mask = mask & ada[rows][None]
         target_idx = heads.to_draft(target_tok)  # (1, N, k), -1 outside the draft vocabulary
-        if self.loss_cfg.name == "ce":  # a token the heads cannot score is no CE target
+        name = self.loss_name()
+        if name == "ce":  # a token the heads cannot score is no CE target
             mask = mask & (target_idx >= 0)
-        out = compute_loss(self.loss_cfg.name, logits, targets=target_idx.clamp(min=0),
+        out = compute_loss(name, logits, targets=target_idx.clamp(min=0),
                            teacher_logits=teacher, mask=mask, depth_weights=self.loss_cfg.depth_weights,
                            teacher_logprobs=True)
+        if self.loss_cfg.topk and self.loss_cfg.topk_weight > 0:
+            extra = topk_loss(logits, teacher, mask, self.loss_cfg.topk, self.loss_cfg.depth_weights,
+                              teacher_logprobs=True)
+            self.log(f"{split}/loss_topk", extra.loss, on_step=split == "train", on_epoch=True,
+                     sync_dist=split == "val")
+            out = LossOutput(loss=out.loss + self.loss_cfg.topk_weight * extra.loss,
+                             per_depth=out.per_depth, alpha=out.alpha)
         if not torch.isfinite(out.loss):
             bad = [j + 1 for j in range(self.k) if not torch.isfinite(out.per_depth[j])]
-            raise NonFiniteLoss(f"non-finite {self.loss_cfg.name} loss at step {self.global_step} "
+            raise NonFiniteLoss(f"non-finite {name} loss at step {self.global_step} "
                                 f"({split}), depth(s) {bad or 'all'}; the last good checkpoint is kept")
         self._log_metrics(split, out, logits.detach(), teacher, target_tok, bb_top, valid[rows][None])
         if split == "val":
             self._collect_ranks(logits.detach()[0], bb_top[0], valid[rows], ids, stats, rows)
         return out.loss
+
+    def loss_name(self) -> str:
+        """The loss in force now (`loss.schedule` may switch it part-way through training)."""
+        trainer = self._trainer
+        max_steps = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
+        return self.loss_cfg.name_at(self.global_step, max_steps) if max_steps else self.loss_cfg.name
 
     def heads_zero(self) -> torch.Tensor:
         return sum(p.sum() * 0.0 for p in self.heads.parameters())
@@ -218,21 +232,39 @@ class MTPHeadsModule(L.LightningModule):
 
     # --- optimisation -----------------------------------------------------------------------------
 
-    def configure_optimizers(self):
+    def param_groups(self) -> list[dict]:
+        """AdamW groups: weight decay on matrices only; norms' gains and biases (1-D) go undecayed."""
         params = [p for p in self.heads.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train_cfg.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        groups = [g for g in self.param_groups() if g["params"]]
         if _offloads_optimizer(self.trainer.strategy):  # ZeRO-Offload steps the optimizer on the CPU
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            opt = DeepSpeedCPUAdam(params, lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay,
-                                   adamw_mode=True)
+            opt = DeepSpeedCPUAdam(groups, lr=self.train_cfg.lr, adamw_mode=True)
         else:
-            opt = torch.optim.AdamW(params, lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay)
+            opt = torch.optim.AdamW(groups, lr=self.train_cfg.lr)
         total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0
                     else self.trainer.estimated_stepping_batches)
-        sched = get_cosine_with_min_lr_schedule_with_warmup(
-            opt, num_warmup_steps=self.train_cfg.warmup_steps, num_training_steps=total,
-            min_lr_rate=self.train_cfg.min_lr_ratio)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": lr_scheduler(opt, self.train_cfg, total),
+                                                   "interval": "step"}}
+
+
+def lr_scheduler(opt, cfg: TrainConfig, total: int):
+    """train.lr_schedule over `total` optimizer steps, after train.warmup_steps of linear warm-up."""
+    from transformers import get_constant_schedule_with_warmup, get_wsd_schedule
+
+    warm = min(cfg.warmup_steps, total)
+    if cfg.lr_schedule == "constant":
+        return get_constant_schedule_with_warmup(opt, num_warmup_steps=warm)
+    if cfg.lr_schedule == "wsd":
+        decay = max(1, min(total - warm, round(cfg.decay_fraction * total)))
+        return get_wsd_schedule(opt, num_warmup_steps=warm, num_decay_steps=decay, num_training_steps=total,
+                                min_lr_ratio=cfg.min_lr_ratio)
+    return get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=warm, num_training_steps=total,
+                                                       min_lr_rate=cfg.min_lr_ratio)
 
 
 def _offloads_optimizer(strategy) -> bool:
