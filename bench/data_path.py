@@ -42,14 +42,10 @@ def stats_before(logits: torch.Tensor) -> None:
 @torch.no_grad()
 def cache_before(backbone, ids: list[list[int]]) -> None:
     """The cache build as it was: batches of 8 in row order, a (B, T, V) float32 logits tensor."""
+    from mtp_train.data.cache import right_pad
+
     for b in range(0, len(ids), 8):
-        rows = ids[b: b + 8]
-        T = max(len(x) for x in rows)
-        inp = torch.zeros((len(rows), T), dtype=torch.long)
-        attn = torch.zeros((len(rows), T), dtype=torch.long)
-        for i, x in enumerate(rows):
-            inp[i, : len(x)] = torch.as_tensor(x)
-            attn[i, : len(x)] = 1
+        inp, attn = right_pad(ids[b: b + 8])
         h = backbone.hidden_states(inp, attn)
         stats_before(backbone.logits(h))
 

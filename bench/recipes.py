@@ -31,6 +31,12 @@ RECIPES = {
     "ce_copy_last": ["loss=ce", "heads.init=copy_last"],
     "e2e_tv_copy_last": ["loss=e2e_tv", "heads.init=copy_last"],
     "medusa_kl_lr3e-3": ["heads=medusa", "loss=kl", "train.lr=3e-3"],
+    # issue 14's options, each on top of the demo's recipe (chained, KL, random init)
+    "kl_then_e2e_tv": ["loss=kl", "loss.schedule.then=e2e_tv", "loss.schedule.at=0.5"],
+    "kl_topk8": ["loss=kl", "loss.topk=8", "loss.topk_weight=0.5"],
+    "kl_depth_weights": ["loss=kl", "loss.depth_weights=[1.0,0.8,0.6]"],
+    "kl_wsd": ["loss=kl", "train.lr_schedule=wsd"],
+    "kl_lr2e-3_wd0.05": ["loss=kl", "train.lr=2e-3", "train.weight_decay=0.05"],
 }
 
 

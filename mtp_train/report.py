@@ -20,9 +20,10 @@ from mtp_train.artifacts import read_json as _json
 from mtp_train.errors import MtpError
 
 REPORT = "report.md"
-# issue 7's targets on SmolLM2 (held-out prompts, 128 new tokens, the whole demo within 30 minutes)
+# the demo's targets on SmolLM2 (held-out prompts, the whole demo within 30 minutes): issue 7's for
+# verify and CLP, issue 13's and 14's for trees (where two issues ask for the same figure, the stricter)
 TARGETS = {"verify_speedup": 1.4, "verify_tau": 1.9, "clp_speedup": 1.4, "minutes": 30.0,
-           "tree_speedup": 1.3, "tree_best_speedup": 1.2, "tree_tau_gain": 0.4}
+           "tree_speedup": 1.5, "tree_best_speedup": 1.2, "tree_tau_gain": 0.4, "tree_tau": 2.2}
 
 def _default_bounds() -> dict:
     """The CLP quality bounds mtp-clp calibrates against by default (ClpConfig's own values)."""
@@ -64,6 +65,8 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
             rows.append(("tree: speedup vs the faster of fp32 and bf16 HF generate",
                          f">= {TARGETS['tree_best_speedup']}x", f"{best:.2f}x{note}",
                          best >= TARGETS["tree_best_speedup"] and not note))
+        rows.append(("tree: tau", f">= {TARGETS['tree_tau']}", f"{t['tau']:.2f}{note}",
+                     t["tau"] >= TARGETS["tree_tau"] and not note))
         if c := modes.get("verify"):
             rows.append(("tree: tau over the chain's", f">= chain + {TARGETS['tree_tau_gain']}",
                          f"{t['tau']:.2f} vs {c['tau']:.2f}", t["tau"] >= c["tau"] + TARGETS["tree_tau_gain"]))
@@ -86,6 +89,35 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
         rows.append(("the whole demo", f"<= {TARGETS['minutes']:.0f} min", _minutes(total_s),
                      total_s <= 60 * TARGETS["minutes"]))
     return rows
+
+
+def shortfall_lines(report: dict | None, heads: dict | None) -> list[str]:
+    """What bounds the lossless targets in this run: the heads' agreement with the backbone, the tau
+    the rank statistics give the largest tree, and the best predicted tau / cost over the candidate
+    trees on this machine (the most a static tree can buy with these heads here)."""
+    out = []
+    if heads:
+        m, k = heads.get("metrics") or {}, heads.get("k", 0)
+        agree = [m.get(f"val/agree_d{j}") for j in range(1, k + 1)]
+        if all(a is not None for a in agree):
+            out.append("heads: validation agreement with the backbone's greedy token per depth "
+                       + " / ".join(f"{a:.2f}" for a in agree) + f"; a chain of them reaches sim_tau "
+                       f"{_fmt(m.get('val/sim_tau'), 2)}, so chain tau {TARGETS['verify_tau']} needs far more "
+                       "accurate heads (more training: bench/long_run.py)")
+    trees = (((report or {}).get("decoder") or {}).get("trees") or {})
+    rows = [r for r in trees.get("candidates", []) if r.get("predicted_tau") is not None]
+    if rows:
+        big = max(rows, key=lambda r: r["nodes"])
+        best = max(rows, key=lambda r: r["predicted_tau"] / (r["verify_cost"] + r["draft_cost"]))
+        bound = best["predicted_tau"] / (best["verify_cost"] + best["draft_cost"])
+        out.append(f"trees: the rank statistics give the largest candidate ({big['label']}, {big['nodes']} drafts) "
+                   f"a predicted tau of {big['predicted_tau']:.2f} (target {TARGETS['tree_tau']}), at "
+                   f"{big['verify_cost']:.2f}x the cost of a one-token forward on this machine")
+        out.append(f"speed: the best predicted tau / cost over the candidates is {bound:.2f} ({best['label']}: "
+                   f"tau {best['predicted_tau']:.2f} / cost {best['verify_cost'] + best['draft_cost']:.2f}), "
+                   f"the most a static tree can give with these heads here; {TARGETS['tree_speedup']}x needs "
+                   f"tau / cost >= {TARGETS['tree_speedup']}")
+    return out
 
 
 SPAN_MODES = {"clp": "clp", "clp+verify": "clp", "gate": "gate"}  # mode -> its predictor's kind
@@ -257,6 +289,8 @@ def write_report(run_root: str | Path) -> Path:
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
         md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
         md.append("")
+        if not all(r[3] for r in rows) and (why := shortfall_lines(report, heads)):
+            md += ["Where the shortfall comes from (measured in this run):", "", *[f"- {w}" for w in why], ""]
 
     png = training_curves(train, root / "training_curves.png") if heads else None
     if png:

@@ -62,3 +62,25 @@ def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypat
     assert json.loads((tmp_path / "rec" / "medusa_kl_lr3e-3" / "heads.json").read_text())["head_type"] == "medusa"
     with pytest.raises(SystemExit):
         recipes.main(["--only", "nonsense"])
+
+
+def test_long_run_trains_points_with_steps_in_proportion_and_reports_the_targets(tmp_path, monkeypatch):
+    import long_run
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--out", str(tmp_path / "long"), "--fractions", "0.5,1", "--prompts", "2", "--prompt-source",
+            "validation", f"paths.root_dir={tmp_path}", "experiment=smollm2_demo", "backbone=tiny",
+            "logger=none", "trainer.max_steps=4", "trainer.enable_progress_bar=false", "heads.k=2",
+            "eval.max_new_tokens=8", "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4",
+            "clp.calib_prompts=1", "clp.taus=[0.5]", "clp.epochs=2"]
+    assert long_run.main(args) == 0
+    out = json.loads((tmp_path / "long" / "long_run.json").read_text())
+    points = out["points"]
+    assert [(p["fraction"], p["steps"]) for p in points] == [(0.5, 2), (1.0, 4)]  # steps follow the data
+    assert points[0]["train_tokens"] < points[1]["train_tokens"]
+    for p in points:
+        assert p["identical"] and p["chain_tau"] >= 1.0 and p["tree_tau"] >= 1.0 and len(p["agree"]) == 2
+        assert isinstance(p["clp_calibrated"], bool) and p["clp_speedup"] > 0
+    md = (tmp_path / "long" / "long_run.md").read_text()
+    assert "targets at the last point" in md and "depth-1 agreement" in md
+    assert (tmp_path / "long" / "long_run.png").stat().st_size > 0

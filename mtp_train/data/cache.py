@@ -197,16 +197,22 @@ def row_states(hidden: torch.Tensor, lm_head, dtype: str) -> RowStates:
             st["top"].cpu().numpy().astype(np.int32))
 
 
-def _hidden_rows(backbone, ids: list[list[int]], dtype: str, compute: str = "float32") -> list[RowStates]:
-    """One right-padded batch -> each row's stored states, in the order given."""
-    from mtp_train.data.distill import autocast_to
-
+def right_pad(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids -> input ids (B, T) right-padded with 0 and the attention mask (B, T)."""
     T = max(len(x) for x in ids)
     inp = torch.zeros((len(ids), T), dtype=torch.long)
     attn = torch.zeros((len(ids), T), dtype=torch.long)
     for i, x in enumerate(ids):
         inp[i, : len(x)] = torch.as_tensor(x)
         attn[i, : len(x)] = 1
+    return inp, attn
+
+
+def _hidden_rows(backbone, ids: list[list[int]], dtype: str, compute: str = "float32") -> list[RowStates]:
+    """One right-padded batch -> each row's stored states, in the order given."""
+    from mtp_train.data.distill import autocast_to
+
+    inp, attn = right_pad(ids)
     with autocast_to(backbone.device, compute):
         h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device))  # (B, T, d)
         return [row_states(h[i, : len(x)], backbone.lm_head, dtype) for i, x in enumerate(ids)]
