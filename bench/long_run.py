@@ -41,7 +41,7 @@ def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], so
     from mtp_train.cli.train import run_train
     from mtp_train.report import accepts_nothing
 
-    base = _cfg(overrides)
+    base = _cfg([*overrides, f"paths.output_dir={out}"])
     steps = max(1, round(fraction * base.trainer["max_steps"]))
     run = out / f"f{fraction:g}"
     run_train(_cfg([*overrides, f"train.data_fraction={fraction}", f"trainer.max_steps={steps}",
