@@ -103,7 +103,7 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dtype: str = "float16",
+def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dtype: str = STATES_DTYPE,
                 shard_rows: int = 256, batch_tokens: int = 4096, compute: str = "float32",
                 known: Callable[[str, int], RowStates | None] | None = None) -> dict:
     """Hidden states of every row of `splits` ({split: dataset with input_ids}) into `out`.
@@ -116,7 +116,7 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
         log.info("cache: %s is up to date", out)
         return m
     out.mkdir(parents=True, exist_ok=True)
-    t0, tokens, computed, reused = time.time(), 0, 0, 0
+    t0, computed, reused = time.time(), 0, 0
     total = sum(len(splits[s]) for s in SPLITS)
     bar = tqdm(total=total, unit="row", desc="hidden-state cache", dynamic_ncols=True)
     for split in SPLITS:
@@ -147,7 +147,6 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
             offsets = np.cumsum([0] + [len(x) for x in ids]).astype(np.int64)  # (rows + 1,)
             write_shard(final, hidden, offsets, np.concatenate([states[j][1] for j in range(len(ids))]),
                         np.concatenate([states[j][2] for j in range(len(ids))]))
-            tokens += hidden.shape[0]
     bar.close()
     elapsed = time.time() - t0
     stored = sum(f.stat().st_size for f in out.glob("*.npy"))
@@ -161,7 +160,7 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
                 "bytes_per_token": round(stored / max(1, n_tokens), 1),
                 "elapsed_s_this_run": round(elapsed, 1),
                 "tokens_computed_this_run": computed, "tokens_reused_this_run": reused,
-                "tokens_per_s_this_run": round(tokens / max(elapsed, 1e-9), 1)}
+                "tokens_per_s_this_run": round((computed + reused) / max(elapsed, 1e-9), 1)}
     write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
@@ -186,15 +185,19 @@ def _sidecar(hidden_file: Path, what: str) -> Path:
     return hidden_file.with_name(f"{hidden_file.stem}.{what}.npy")
 
 
-def row_states(hidden: torch.Tensor, lm_head, dtype: str) -> RowStates:
-    """One row's final hidden states (T, d) -> what the cache stores for it; the stats come from
-    the LM head in chunks of rows, never a (T, V) float32 tensor at once."""
+def batch_states(hidden: list[torch.Tensor], lm_head, dtype: str) -> list[RowStates]:
+    """Rows' final hidden states [(T_i, d)] -> what the cache stores for each. The stats come from
+    one pass of the LM head over all the rows' positions together, in chunks of positions, never
+    a (T, V) float32 tensor at once."""
     from mtp_train.teacher import stats_from_hidden
 
-    st = stats_from_hidden(hidden, lm_head)
-    return (hidden.float().cpu().numpy().astype(NP_DTYPES[dtype]),
-            torch.stack([st["lse"], st["entropy"]], -1).cpu().numpy(),  # (T, 2)
-            st["top"].cpu().numpy().astype(np.int32))
+    flat = torch.cat(hidden)  # (sum T_i, d)
+    st = stats_from_hidden(flat, lm_head)
+    h = flat.float().cpu().numpy().astype(NP_DTYPES[dtype])
+    stats = torch.stack([st["lse"], st["entropy"]], -1).cpu().numpy()  # (sum T_i, 2)
+    top = st["top"].cpu().numpy().astype(np.int32)
+    cuts = np.cumsum([len(x) for x in hidden])[:-1]
+    return list(zip(np.split(h, cuts), np.split(stats, cuts), np.split(top, cuts), strict=True))
 
 
 def right_pad(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +218,7 @@ def _hidden_rows(backbone, ids: list[list[int]], dtype: str, compute: str = "flo
     inp, attn = right_pad(ids)
     with autocast_to(backbone.device, compute):
         h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device))  # (B, T, d)
-        return [row_states(h[i, : len(x)], backbone.lm_head, dtype) for i, x in enumerate(ids)]
+        return batch_states([h[i, : len(x)] for i, x in enumerate(ids)], backbone.lm_head, dtype)
 
 
 class HiddenCache:
@@ -240,9 +243,6 @@ class HiddenCache:
         # shards may hold different numbers of rows (distillation's do): the first row of each
         first = np.cumsum([0] + [len(sh[1]) - 1 for sh in shards])
         return shards, first
-
-    def rows(self, split: str) -> int:
-        return int(self._splits[split][1][-1])
 
     def _locate(self, split: str, i: int):
         shards, first = self._splits[split]

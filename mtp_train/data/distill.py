@@ -42,7 +42,7 @@ from mtp_train.artifacts import (
 )
 from mtp_train.config import DistillConfig
 from mtp_train.data.build import tokenizer_identity
-from mtp_train.data.cache import STATES, STATES_DTYPE, row_states, shard_file, write_shard
+from mtp_train.data.cache import STATES, STATES_DTYPE, batch_states, shard_file, write_shard
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
 
@@ -299,12 +299,12 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
             n_new += len(answers[i])
         if keep_states:
             hidden = torch.cat(tap.parts, dim=1)  # (B, width + steps, d): every input position's state
-            for row, i in enumerate(batch):
-                first = width - len(items[i][2])  # left padding
-                n = min(len(items[i][2]) + len(answers[i]), max_length)
-                with autocast_to(device, autocast):
-                    states[i] = row_states(hidden[row, first: first + n], model.get_output_embeddings(),
-                                           STATES_DTYPE)
+            spans = [(width - len(items[i][2]), min(len(items[i][2]) + len(answers[i]), max_length))
+                     for i in batch]  # (first real position after the left padding, tokens kept)
+            with autocast_to(device, autocast):
+                kept_b = batch_states([hidden[row, a: a + n] for row, (a, n) in enumerate(spans)],
+                                      model.get_output_embeddings(), STATES_DTYPE)
+            states.update(zip(batch, kept_b, strict=True))
 
     records, kept = [], []
     for i, (r, msgs, ids) in enumerate(items):
