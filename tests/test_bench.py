@@ -84,3 +84,22 @@ def test_long_run_trains_points_with_steps_in_proportion_and_reports_the_targets
     md = (tmp_path / "long" / "long_run.md").read_text()
     assert "targets at the last point" in md and "depth-1 agreement" in md
     assert (tmp_path / "long" / "long_run.png").stat().st_size > 0
+
+
+def test_gpu_check_script_composes_every_config_it_runs(tmp_path):
+    """CPU side of bench/gpu_check.sh: each Hydra command it would run on a GPU composes (a typo in a
+    trainer or key name fails here, not on the borrowed GPU)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "OUT": str(tmp_path / "gpu"), "BIN": str(bindir)}
+    r = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--compose-only"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("prep", "cache", "train_gpu", "train_deepspeed2", "eval"):
+        assert f"COMPOSED {name}" in r.stdout
+    ds = (tmp_path / "gpu" / "train_deepspeed2.compose.yaml").read_text()
+    assert "DeepSpeedStrategy" in ds and "bf16-mixed" in ds
+    assert "accelerator: gpu" in (tmp_path / "gpu" / "train_gpu.compose.yaml").read_text()
