@@ -70,6 +70,32 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def undo_class_weights(predictor: SpanPredictor, weights: torch.Tensor) -> None:
+    """Turn a predictor fitted with class-weighted cross-entropy into one whose softmax estimates the
+    label frequencies themselves, in place.
+
+    Weighted CE is minimised by q(m | x) = w_m p(m | x) / sum_j w_j p(j | x): it overstates the rare
+    long spans by their weight, so P(L >= m) read from q clears tau far more often than the drafts
+    are right. Dividing by w_m and renormalising recovers p; a softmax does the renormalising, so
+    subtracting log w_m from the last layer's bias is exact. Classes absent from the labels (w = 0)
+    keep their bias: no label raised it."""
+    last = predictor.net if isinstance(predictor.net, nn.Linear) else predictor.net[-1]
+    w = weights.to(last.bias.dtype)
+    with torch.no_grad():
+        last.bias.sub_(torch.where(w > 0, w.clamp(min=1e-12).log(), torch.zeros_like(w)))
+
+
+@torch.no_grad()
+def held_out_calibration(predictor: SpanPredictor, hidden: torch.Tensor, head_probs: torch.Tensor,
+                         labels: torch.Tensor) -> dict:
+    """How well the predictor's probabilities match held-out labels: unweighted NLL and, for
+    P(L >= 1), the mean predicted value beside the observed frequency."""
+    logp = torch.log_softmax(predictor(hidden, head_probs).float(), -1)
+    return {"val/nll": float(torch.nn.functional.nll_loss(logp, labels)),
+            "val/p_span1_predicted": float(1 - logp[:, 0].exp().mean()),
+            "val/p_span1_observed": float((labels >= 1).float().mean())}
+
+
 def span_from_probs(probs: torch.Tensor, tau: float) -> torch.Tensor:
     """Class probabilities (..., k + 1) -> m = max{m : P(L >= m) >= tau} (..., ) long."""
     tail = probs.flip(-1).cumsum(-1).flip(-1)  # (..., k+1): P(L >= m)

@@ -272,6 +272,10 @@ class ClpConfig:
     # in the hidden-state cache (the backbone's own greedy text; no decoding, seconds), "decode" =
     # decode n_prompts training prompts with the heads, "auto" = cache when there is one
     label_source: str = "auto"
+    # which cache split the labels come from: "validation" = self-distilled rows the heads never
+    # trained on (their acceptance there is what decoding meets), "train" = the training rows (more
+    # labels, but the heads fit them, so long spans come out too often)
+    label_split: str = "validation"
     n_prompts: int = 32  # training-split prompts decoded for labels (label_source=decode)
     max_new_tokens: int = 128
     shard_prompts: int = 8  # prompts per resumable shard
@@ -291,6 +295,7 @@ class ClpConfig:
                "must be values in (0, 1]")
         _check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
         _choice(self.label_source, ("auto", "cache", "decode"), "clp.label_source")
+        _choice(self.label_split, ("validation", "train"), "clp.label_split")
         for kind in self.kinds:
             _choice(kind, ("clp", "gate"), "clp.kinds")
         _check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")

@@ -12,9 +12,11 @@ from mtp_train.clp import (
     build_predictor,
     class_weights,
     count_parameters,
+    held_out_calibration,
     load_predictor,
     save_predictor,
     span_from_probs,
+    undo_class_weights,
 )
 from mtp_train.errors import MtpError
 
@@ -60,6 +62,52 @@ def test_class_weights_are_inverse_frequency_with_mean_one():
     assert w[2] == 0
     assert w[0] * 6 == pytest.approx(w[1] * 3) == pytest.approx(w[3] * 1)
     assert w[[0, 1, 3]].mean() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kind", ["clp", "gate"])
+def test_undoing_class_weights_divides_each_class_probability_by_its_weight(kind):
+    """Reference: p_m = q_m / w_m renormalised, row by row; a class with weight 0 keeps q_m."""
+    torch.manual_seed(0)
+    pred = build_predictor(kind, 12, 3)
+    with torch.no_grad():
+        for p in pred.parameters():
+            p.normal_(0, 0.5)
+    w = torch.tensor([0.2, 1.5, 0.0, 2.3])
+    x = torch.randn(20, 12)
+    q = torch.softmax(pred(x), -1)
+    undo_class_weights(pred, w)
+    got = torch.softmax(pred(x), -1)
+    for row_q, row_got in zip(q.tolist(), got.tolist(), strict=True):
+        raw = [qm / wm if wm > 0 else qm for qm, wm in zip(row_q, w.tolist(), strict=True)]
+        assert row_got == pytest.approx([r / sum(raw) for r in raw], rel=1e-4, abs=1e-6)
+
+
+def test_a_weighted_fit_overstates_long_spans_until_its_weights_are_undone():
+    """Features that carry no information: the weighted fit's P(L >= 1) sits near the weighted
+    share of the rare classes; undone, it is the observed frequency."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mtp_train.lit.clp import SpanFitModule
+
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    labels = torch.multinomial(torch.tensor([0.8, 0.12, 0.05, 0.03]), n, replacement=True, generator=g)
+    hidden, probs = torch.randn(n, 8, generator=g), torch.zeros(n, 3)
+    weights = class_weights(labels, 3)
+    torch.manual_seed(0)
+    pred = build_predictor("clp", 8, 3)
+    data = DataLoader(TensorDataset(hidden, probs, labels), batch_size=256, shuffle=True)
+    L.Trainer(max_epochs=15, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu").fit(SpanFitModule(pred, weights, 3e-2), data)
+    before = held_out_calibration(pred, hidden, probs, labels)
+    undo_class_weights(pred, weights)
+    after = held_out_calibration(pred, hidden, probs, labels)
+    observed = float((labels >= 1).float().mean())
+    assert before["val/p_span1_observed"] == after["val/p_span1_observed"] == pytest.approx(observed)
+    assert before["val/p_span1_predicted"] > 0.5 > observed + 0.2  # inverse-frequency weights: ~3/4
+    assert after["val/p_span1_predicted"] == pytest.approx(observed, abs=0.03)
+    assert after["val/nll"] < before["val/nll"]
 
 
 def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):

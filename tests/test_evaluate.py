@@ -352,6 +352,32 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
     assert sum(m["label_histogram"]) == len(ds) and len(set(decoded.values())) > 1
 
 
+@pytest.mark.parametrize("split", ["validation", "train"])
+def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, split):
+    """The default labels the self-distilled validation rows, which the heads never trained on."""
+    import dataclasses
+
+    import numpy as np
+    from datasets import load_from_disk
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.cli.clp import distilled_cache, run_clp
+    from mtp_train.cli.prep import distilled_dir, run_prep
+
+    root = trained_heads
+    over = ["clp.label_source=cache", f"clp.heads={root}/train", "stage=label",
+            f"paths.output_dir={root}/labels_{split}"] + ([] if split == "validation" else [f"clp.label_split={split}"])
+    cfg = _eval_cfg(root, *over)
+    run_prep(dataclasses.replace(cfg, stage="cache"))  # once: keyed by the data, reused after
+    m = run_clp(cfg)["label"]
+    assert m["split"] == split and m["n_prompts"] == len(load_from_disk(str(distilled_dir(cfg)))[split]) > 1
+    ds = load_from_disk(str(root / f"labels_{split}" / "labels")).with_format("numpy")
+    rows, cache, first = distilled_cache(cfg, load_backbone(cfg.backbone), split)
+    for r in (0, len(ds) - 1):  # a label's hidden state is a position of that split's row
+        h = np.asarray(cache.row(split, first + int(ds["prompt"][r])), dtype=np.float32)
+        assert np.abs(h - ds["hidden"][r]).sum(-1).min() < 1e-4
+
+
 def test_report_targets_say_met_only_when_every_condition_holds():
     from mtp_train.report import target_rows
 

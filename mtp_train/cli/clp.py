@@ -40,9 +40,9 @@ def _setup(cfg: Config):
     return backbone, heads, Decoder(backbone, heads, eos_ids=eos)
 
 
-def distilled_cache(cfg: Config, backbone):
-    """(train rows, hidden-state cache, index of the first self-distilled row) when the training
-    cache holds the backbone's own answers, else None."""
+def distilled_cache(cfg: Config, backbone, split: str = "train"):
+    """(rows of `split`, hidden-state cache, index of the first self-distilled row in them) when the
+    training cache holds the backbone's own answers, else None."""
     from datasets import load_from_disk
 
     from mtp_train.cli.prep import data_dirs, distilled_dir
@@ -55,8 +55,8 @@ def distilled_cache(cfg: Config, backbone):
     cache = open_cache(cfg, backbone)
     if cache is None:
         return None
-    first = sum(len(load_from_disk(str(d))["train"]) for d in dirs[: dirs.index(distilled_dir(cfg))])
-    return load_splits(dirs)["train"], cache, first
+    first = sum(len(load_from_disk(str(d))[split]) for d in dirs[: dirs.index(distilled_dir(cfg))])
+    return load_splits(dirs)[split], cache, first
 
 
 def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
@@ -66,7 +66,8 @@ def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.evaluate import held_out_prompts
 
     source = cfg.clp.label_source
-    found = distilled_cache(cfg, backbone) if source in ("auto", "cache") else None
+    split = cfg.clp.label_split
+    found = distilled_cache(cfg, backbone, split) if source in ("auto", "cache") else None
     if source == "cache" and found is None:
         raise ConfigError("clp.label_source: 'cache' needs the hidden-state cache of self-distilled "
                           "data (train.data_use=distilled or mix, then `mtp-prep stage=cache`); or "
@@ -75,8 +76,13 @@ def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                 "heads_sha256": file_sha256(Path(cfg.clp.heads) / "heads.safetensors"), "k": heads.k}
     if found is not None:
         rows, cache, first = found
-        return labels_from_cache(rows, cache, "train", first, heads, backbone, out / "labels",
-                                 {**identity, "cache": cache.manifest.get("config_hash")})
+        if len(rows) - first < 2:
+            raise ConfigError(f"clp.label_split={split}: {len(rows) - first} self-distilled rows in that "
+                              "split, too few to fit and check a predictor; distil more of it "
+                              f"(data.distill.max_{'val' if split == 'validation' else 'train'}_prompts, "
+                              "data.val_fraction) or use clp.label_source=decode")
+        return labels_from_cache(rows, cache, split, first, heads, backbone, out / "labels",
+                                 {**identity, "cache": cache.manifest.get("config_hash"), "split": split})
     prompts = [p for p in held_out_prompts(labelled_dir(cfg), "train")
                if len(p) + cfg.clp.max_new_tokens <= getattr(backbone.config, "max_position_embeddings", 10**9)]
     prompts = prompts[: cfg.clp.n_prompts]
@@ -118,7 +124,9 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
         build_predictor,
         class_weights,
         count_parameters,
+        held_out_calibration,
         save_predictor,
+        undo_class_weights,
     )
     from mtp_train.lit.clp import SpanFitModule
 
@@ -161,14 +169,18 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
         trainer.fit(module, loader(~is_val, True), loader(is_val, False))
         val = {k: float(v) for k, v in trainer.validate(module, loader(is_val, False), verbose=False)[0].items()}
+        # the weights rebalance what the fit attends to; the decision rule needs the label frequencies
+        undo_class_weights(pred, weights)
+        val.update(held_out_calibration(pred, hidden[is_val], probs[is_val], labels[is_val]))
         meta = {"backbone": backbone.name, "heads_sha256": heads_hash, "tau": 1.0, "calibrated": False,
-                "fit_hash": key,
+                "fit_hash": key, "class_weights_undone": True,
                 "label_histogram": manifest["label_histogram"], "class_weights": weights.tolist(),
                 "fit": val}
         save_predictor(out / kind, pred, meta)
-        log.info("%s: %s parameters, validation accuracy %.3f (majority class %.3f)", kind,
-                 f"{count_parameters(pred):,}", val["val/acc"],
-                 float((labels[is_val] == 0).float().mean()))
+        log.info("%s: %s parameters, validation accuracy %.3f (majority class %.3f); P(L >= 1) "
+                 "predicted %.3f, observed %.3f", kind, f"{count_parameters(pred):,}", val["val/acc"],
+                 float((labels[is_val] == 0).float().mean()), val["val/p_span1_predicted"],
+                 val["val/p_span1_observed"])
         results[kind] = val
     return results
 
