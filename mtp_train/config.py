@@ -9,6 +9,7 @@ the full config key so a user can fix the override they typed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -404,8 +405,31 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of `node` that its dataclass schema does not have, as full dotted names with the valid
+    ones: Hydra's `+key=value` adds a key to a structured config, and OmegaConf would then set it
+    as a stray attribute that nothing reads. Free-form sections (trainer, logger) are not checked."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []
+    names = {f.name for f in dataclasses.fields(schema)}
+    out = []
+    for key in node.keys():
+        if key not in names:
+            where = prefix.rstrip(".") or "the top level"
+            out.append(f"{prefix}{key}: not a config key (keys of {where}: {', '.join(sorted(names))})")
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            out += unknown_keys(child, f"{prefix}{key}.")
+    return out
+
+
 def validate(cfg: DictConfig) -> Config:
-    """Resolve interpolations and run every `__post_init__` check; returns the typed object."""
+    """Refuse keys the schema lacks, resolve interpolations and run every `__post_init__` check;
+    returns the typed object."""
+    if stray := unknown_keys(cfg):
+        raise ConfigError(stray[0] + (f"; and {len(stray) - 1} more" if len(stray) > 1 else ""))
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except ConfigError:

@@ -8,6 +8,8 @@ refuses, with the config key named, what cannot run on this machine.
 from __future__ import annotations
 
 import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +125,44 @@ def validate_deepspeed_config(cfg: dict) -> None:
         raise ConfigError(f"trainer.strategy.config: DeepSpeed rejects the composed config: {e}") from e
 
 
+def _zero_file_types() -> list:
+    """The only non-tensor, non-container types DeepSpeed's ZeRO files hold (its optimizer shards;
+    checked with `torch.serialization.get_unsafe_globals_in_checkpoint` on deepspeed 0.19): plain
+    data classes and an enum, which a weights-only load may rebuild without running their code."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def weights_only_loads(allowed: list):
+    """Every `torch.load` inside the block loads weights only (tensors, containers and `allowed`),
+    whatever its caller asks for: DeepSpeed's consolidation passes weights_only=False, and a run
+    directory copied from elsewhere must never execute code when it is read."""
+    import torch
+
+    original = torch.load
+
+    def load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    with torch.serialization.safe_globals(allowed):
+        torch.load = load
+        try:
+            yield
+        finally:
+            torch.load = original
+
+
 def zero_state_dict(checkpoint: Path) -> dict:
     """The fp32 state dict of a ZeRO checkpoint directory (Lightning's `last.ckpt/` layout or a
-    DeepSpeed save dir), gathered from every rank's shards by DeepSpeed's own consolidation."""
+    DeepSpeed save dir), gathered from every rank's shards by DeepSpeed's own consolidation, with
+    every file loaded weights-only (a file holding anything else is refused, not run)."""
+    import pickle
+
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     checkpoint = Path(checkpoint)
@@ -133,8 +170,15 @@ def zero_state_dict(checkpoint: Path) -> dict:
     if (checkpoint / "checkpoint").is_dir() and not (checkpoint / "latest").is_file():
         tag = "checkpoint"  # Lightning saves under this tag without a `latest` file
     try:
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
-    except (FileNotFoundError, ValueError) as e:
+        with weights_only_loads(_zero_file_types()):
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
+    except pickle.UnpicklingError as e:
+        # torch's message is mostly advice (to load unsafely, or to allow-list); keep the object's name
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it names {found.group(1)}" if found else type(e).__name__
+        raise MtpError(f"{checkpoint}: refusing to load this ZeRO checkpoint: a file in it holds more than "
+                       f"tensors and DeepSpeed's own records, and loading it could run code ({what})") from e
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
         raise MtpError(f"{checkpoint}: not a DeepSpeed ZeRO checkpoint ({e})") from e
 
 

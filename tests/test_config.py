@@ -105,6 +105,22 @@ def test_unknown_key_fails_at_compose(compose_cfg):
     assert "depth" in str(err.value) or "depth" in str(err.value.__cause__)
 
 
+@pytest.mark.parametrize("added,key,section", [("+heads.foo=3", "heads.foo", "keys of heads: "),
+                                                ("+foo=3", "foo", "keys of the top level: "),
+                                                ("+data.distill.tempo=1", "data.distill.tempo", "keys of data.distill: ")])
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(compose_cfg, added, key, section):
+    """Hydra's own error for `heads.foo=3` suggests `+heads.foo=3`, which composes: validation stops it."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(added))
+    assert str(err.value).startswith(f"{key}: not a config key ({section}")
+
+
+def test_the_cli_refuses_an_added_unknown_key_in_one_line(tmp_path):
+    r = _run("mtp_train.cli.prep", "backbone=tiny", "+heads.foo=3", cwd=tmp_path)
+    assert r.returncode == 2 and "heads.foo: not a config key" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout and not (tmp_path / "data").exists()
+
+
 def _run(*args, cwd):
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
