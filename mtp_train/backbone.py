@@ -9,9 +9,10 @@ LM head, the token embedding and the tokenizer with its chat template. Optional 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,10 +46,29 @@ class Backbone:
     tokenizer: object
     name: str
     identity: dict | None = None  # what produced these weights: stages that depend on them hash it
+    _fingerprint: str | None = field(default=None, repr=False)
 
     @property
     def config(self):
         return self.model.config
+
+    def fingerprint(self) -> str:
+        """A short hash of the weights themselves, read in milliseconds: up to 1,024 evenly spaced
+        values of every tensor, rounded to bfloat16 so the dtype a backbone is loaded in does not
+        change it. Two backbones of one shape (another seed, another fine-tune) differ here; LoRA
+        adapters are left out (they are part of what trains)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            with torch.no_grad():
+                for name, t in sorted(self.model.state_dict().items()):
+                    if "lora_" in name or not t.is_floating_point():
+                        continue
+                    flat = t.detach().reshape(-1)
+                    sample = flat[:: max(1, flat.numel() // 1024)][:1024].to("cpu", torch.bfloat16)
+                    h.update(name.encode() + str(tuple(t.shape)).encode())
+                    h.update(sample.view(torch.int16).numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     @property
     def hidden_size(self) -> int:

@@ -84,6 +84,9 @@ class BackboneConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     tiny: TinyBackboneConfig = field(default_factory=TinyBackboneConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # heads remember the backbone they were trained on (name and a fingerprint of its weights) and
+    # are refused on any other; true loads them anyway, with a warning (for those who know why)
+    allow_foreign_heads: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.source, BACKBONE_SOURCES, "backbone.source")

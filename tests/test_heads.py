@@ -173,6 +173,52 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
         load_heads(tmp_path, tiny_backbone)
 
 
+def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, tmp_path, caplog):
+    """Another seed and another name (the issue's case), the same weights renamed, and other weights
+    under the same name: each refused naming what differs; allow_foreign_heads loads with a warning."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.config import BackboneConfig, TinyBackboneConfig
+    from mtp_train.errors import ConfigError
+    from mtp_train.heads import heads_state_dict, load_heads
+
+    cfg = HeadsConfig(type="chained", k=2)
+    save_file(heads_state_dict(build_heads(cfg, tiny_backbone)), str(tmp_path / "heads.safetensors"))
+    (tmp_path / "heads.json").write_text(json.dumps({"heads": dataclasses.asdict(cfg), "backbone": {
+        "name": tiny_backbone.name, "hidden_size": 64, "vocab_size": 259,
+        "fingerprint": tiny_backbone.fingerprint()}}))
+
+    def tiny(name, seed):
+        return load_backbone(BackboneConfig(name=name, source="tiny", tiny=TinyBackboneConfig(seed=seed)))
+
+    assert tiny("tiny-llama", 0).fingerprint() == tiny_backbone.fingerprint()  # same weights, same print
+    load_heads(tmp_path, tiny("tiny-llama", 0))
+    other = tiny("other-llama", 1)
+    with pytest.raises(ConfigError, match=r"heads.json: heads were trained on another backbone \(named "
+                                          r"'tiny-llama', this one is 'other-llama'; weights fingerprint"):
+        load_heads(tmp_path, other)
+    with pytest.raises(ConfigError, match=r"another backbone \(weights fingerprint \w+, this one's is \w+\)"):
+        load_heads(tmp_path, tiny("tiny-llama", 1))
+    with pytest.raises(ConfigError, match=r"another backbone \(named 'tiny-llama', this one is 'renamed'\)"):
+        load_heads(tmp_path, tiny("renamed", 0))
+    with caplog.at_level("WARNING", logger="mtp_train"):
+        heads, _ = load_heads(tmp_path, other, allow_foreign=True)
+    assert heads.k == 2 and "loading them anyway" in caplog.text
+
+
+def test_the_fingerprint_does_not_depend_on_the_dtype_a_backbone_is_loaded_in(tiny_backbone):
+    import copy
+
+    half = copy.deepcopy(tiny_backbone)
+    half.model.to(torch.bfloat16)
+    half._fingerprint = None
+    assert half.fingerprint() == tiny_backbone.fingerprint()
+
+
 @pytest.mark.parametrize("init", ["copy_last", "random"])
 def test_chained_blocks_start_as_the_backbones_last_layer_or_from_random_init(tiny_backbone, init):
     from mtp_train.heads import build_heads

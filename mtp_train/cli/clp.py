@@ -33,7 +33,7 @@ def _setup(cfg: Config):
     if not cfg.clp.heads:
         raise ConfigError("clp.heads: set it to an mtp-train run directory (heads.safetensors + heads.json)")
     backbone = load_backbone(cfg.backbone)
-    heads, meta = load_heads(cfg.clp.heads, backbone)
+    heads, meta = load_heads(cfg.clp.heads, backbone, cfg.backbone.allow_foreign_heads)
     tok = backbone.tokenizer
     eos = sorted({t for t in (tok.eos_token_id, *_as_list(backbone.model.generation_config.eos_token_id))
                   if t is not None})

@@ -186,7 +186,8 @@ def run_eval(cfg: Config) -> dict:
         print_table(done)
         return done
     backbone = load_backbone(cfg.backbone)
-    heads, meta = (load_heads(cfg.eval.heads, backbone) if cfg.eval.heads else (None, {}))
+    heads, meta = (load_heads(cfg.eval.heads, backbone, cfg.backbone.allow_foreign_heads) if cfg.eval.heads
+                   else (None, {}))
     stats = load_tree_stats(cfg)
     dtype = resolve_dtype(cfg.eval.dtype)
     if dtype != backbone.model.dtype:

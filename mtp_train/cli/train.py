@@ -189,7 +189,7 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
         "heads": OmegaConf.to_container(
             OmegaConf.structured(cfg.heads)),
         "backbone": {"name": backbone.name, "hidden_size": backbone.hidden_size,
-                     "vocab_size": backbone.vocab_size},
+                     "vocab_size": backbone.vocab_size, "fingerprint": backbone.fingerprint()},
         "loss": OmegaConf.to_container(OmegaConf.structured(cfg.loss)),
         "train": OmegaConf.to_container(OmegaConf.structured(cfg.train)),
         "metrics": metrics,

@@ -12,6 +12,7 @@ state_dict holds only what trains (plus the draft vocabulary's token ids, when t
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -50,8 +51,26 @@ def heads_state_dict(heads: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}
 
 
-def load_heads(path: str | Path, backbone) -> tuple[nn.Module, dict]:
-    """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`.
+def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreign: bool) -> None:
+    """Heads drafted for one backbone's hidden states are wrong for another of the same shape."""
+    problems = []
+    if recorded.get("name") not in (None, backbone.name):
+        problems.append(f"named {recorded['name']!r}, this one is {backbone.name!r}")
+    if recorded.get("fingerprint") not in (None, backbone.fingerprint()):  # heads from before fingerprints: name only
+        problems.append(f"weights fingerprint {recorded['fingerprint']}, this one's is {backbone.fingerprint()}")
+    if not problems:
+        return
+    what = f"{meta_file}: heads were trained on another backbone ({'; '.join(problems)})"
+    if not allow_foreign:
+        raise ConfigError(f"{what}; use the backbone they were trained on, or set "
+                          "backbone.allow_foreign_heads=true to load them anyway")
+    logging.getLogger("mtp_train").warning("%s; loading them anyway (backbone.allow_foreign_heads=true)", what)
+
+
+def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple[nn.Module, dict]:
+    """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`:
+    its shape always; its name and weights fingerprint unless `allow_foreign`
+    (backbone.allow_foreign_heads), which only warns.
 
     Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
     from safetensors.torch import load_file
@@ -69,6 +88,7 @@ def load_heads(path: str | Path, backbone) -> tuple[nn.Module, dict]:
         if bb.get(key) != have:
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
                               f"this backbone ({backbone.name}) has {have}")
+    _check_same_backbone(meta_file, bb, backbone, allow_foreign)
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors reports truncation and bad headers as several error types
