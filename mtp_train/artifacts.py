@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mtp_train.errors import MtpError
+
 MANIFEST = "manifest.json"
 
 
@@ -82,3 +84,14 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def check_finite(tensors: dict, where: str) -> None:
+    """Refuse weights with NaN or inf (a diverged fit, a damaged file), naming the first such tensor;
+    integer tensors (index maps) are not checked."""
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise MtpError(f"{where}: {name} has {bad:,} non-finite values of {t.numel():,}")

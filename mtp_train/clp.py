@@ -132,12 +132,14 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
 
     from safetensors.torch import save_file
 
-    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.artifacts import check_finite, write_json_atomic
 
     out_dir = Path(out_dir)
+    state = {n: t.detach().contiguous() for n, t in predictor.state_dict().items()}
+    check_finite(state, f"{out_dir / CLP_FILE}: not written, the fit diverged")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (CLP_FILE + ".tmp")
-    save_file({n: t.detach().contiguous() for n, t in predictor.state_dict().items()}, str(tmp))
+    save_file(state, str(tmp))
     os.replace(tmp, out_dir / CLP_FILE)
     write_json_atomic(out_dir / CLP_META, {
         **meta, "kind": "clp" if isinstance(predictor, LinearCLP) else "gate", "k": predictor.k,
@@ -151,11 +153,16 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
     """A saved predictor, refused when it was fitted for another hidden size, k or backbone."""
     from safetensors.torch import load_file
 
+    from mtp_train.artifacts import check_finite
+
     d = Path(path)
     meta_file, weights = d / CLP_META, d / CLP_FILE
     if not meta_file.is_file() or not weights.is_file():
         raise MtpError(f"{d}: expected {CLP_FILE} and {CLP_META} (written by mtp-clp)")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise MtpError(f"{meta_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
     for key, have in (("hidden_size", hidden_size), ("k", k)):
         if meta.get(key) != have:
             raise ConfigError(f"{meta_file}: fitted for {key}={meta.get(key)}, these heads and backbone "
@@ -164,9 +171,11 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
         raise ConfigError(f"{meta_file}: fitted for backbone {meta.get('backbone')!r}, not {backbone_name!r}")
     predictor = build_predictor(meta["kind"], hidden_size, k, meta.get("use_head_probs", False))
     try:
-        predictor.load_state_dict(load_file(str(weights)))
+        state = load_file(str(weights))
+        predictor.load_state_dict(state)
     except Exception as e:
         raise MtpError(f"{weights}: cannot load ({e})") from None
+    check_finite(state, str(weights))
     return predictor.eval(), meta
 
 

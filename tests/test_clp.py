@@ -235,3 +235,63 @@ def test_greedy_path_labels_match_the_definition_position_by_position(seed):
     want = _slow_greedy_path_labels(drafts.tolist(), ids.tolist(), greedy.tolist(), answer.tolist())
     assert dict(zip(pos.tolist(), label.tolist(), strict=True)) == want
     assert set(want.values()) == {0, 1, 2, 3}  # the draws exercise every label
+
+
+def _labels(tmp_path, n=40, k=3, d=8):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    out = tmp_path / "labels"
+    Dataset.from_dict({"hidden": torch.randn(n, d, generator=g).numpy(), "head_probs": torch.rand(n, k, generator=g).numpy(),
+                       "label": torch.randint(0, k + 1, (n,), generator=g).numpy(),
+                       "prompt": (torch.arange(n) // 5).numpy()}).save_to_disk(str(out))
+    return out
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("hidden", r"row 7 has a non-finite hidden state \(1 such rows\)"),
+    ("label", r"row 3 has a label outside 0..3 \(1 such rows\)"),
+    ("probs", r"row 5 has a head probability outside \[0, 1\]"),
+    ("bytes", r"(cannot read the acceptance labels|row \d+ has)"),
+])
+def test_damaged_labels_are_refused_naming_the_row_not_fitted(tmp_path, damage, message):
+    """The issue's case: bytes overwritten inside the Arrow file used to fit a NaN predictor."""
+    from datasets import Dataset, load_from_disk
+
+    from mtp_train.data.labels import read_labels
+
+    out = _labels(tmp_path)
+    assert len(read_labels(out, 3, 8)[0]) == 40
+    if damage == "bytes":
+        arrow = next(out.glob("data-*.arrow"))
+        blob = bytearray(arrow.read_bytes())
+        blob[len(blob) // 3: len(blob) // 3 + 64] = b"\xff" * 64  # NaN bit patterns in the floats
+        arrow.write_bytes(bytes(blob))
+    else:
+        cols = load_from_disk(str(out)).to_dict()
+        row, col, value = {"hidden": (7, "hidden", [float("nan")] * 8), "label": (3, "label", 9),
+                           "probs": (5, "head_probs", [0.1, 1.5, 0.2])}[damage]
+        cols[col][row] = value
+        out = tmp_path / "damaged"
+        Dataset.from_dict(cols).save_to_disk(str(out))
+    with pytest.raises(MtpError, match=message) as err:
+        read_labels(out, 3, 8)
+    assert str(out) in str(err.value) and "mtp-clp stage=label force=true" in str(err.value)
+
+
+def test_a_predictor_with_non_finite_weights_is_never_written_nor_loaded(tmp_path):
+    from safetensors.torch import save_file
+
+    pred = LinearCLP(8, 3)
+    with torch.no_grad():
+        pred.net.weight[1, 2] = float("nan")
+    with pytest.raises(MtpError, match=r"clp.safetensors: not written, the fit diverged: net.weight has 1 non-finite"):
+        save_predictor(tmp_path / "p", pred, {"tau": 1.0})
+    assert not (tmp_path / "p").exists()
+    good = LinearCLP(8, 3)
+    save_predictor(tmp_path / "q", good, {"tau": 1.0})
+    state = {n: t.clone() for n, t in good.state_dict().items()}
+    state["net.bias"][0] = float("inf")
+    save_file(state, str(tmp_path / "q" / "clp.safetensors"))
+    with pytest.raises(MtpError, match=r"q/clp.safetensors: net.bias has 1 non-finite values of 4"):
+        load_predictor(tmp_path / "q", 8, 3)

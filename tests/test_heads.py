@@ -229,3 +229,36 @@ def test_chained_blocks_start_as_the_backbones_last_layer_or_from_random_init(ti
     for block in heads.blocks:
         same = [torch.equal(block.layers[0].state_dict()[n], t) for n, t in last.items() if t.dim() == 2]
         assert same and all(same) == (init == "copy_last") and (any(same) is (init == "copy_last"))
+
+
+def test_heads_with_non_finite_weights_are_refused_on_load(tiny_backbone, tmp_path):
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.errors import MtpError
+    from mtp_train.heads import heads_state_dict, load_heads
+
+    cfg = HeadsConfig(type="medusa", k=2)
+    state = heads_state_dict(build_heads(cfg, tiny_backbone))
+    name = sorted(n for n, t in state.items() if t.is_floating_point())[0]
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, str(tmp_path / "heads.safetensors"))
+    (tmp_path / "heads.json").write_text(json.dumps({"heads": dataclasses.asdict(cfg), "backbone": {
+        "name": tiny_backbone.name, "hidden_size": 64, "vocab_size": 259}}))
+    with pytest.raises(MtpError, match=rf"heads.safetensors: {name} has 1 non-finite values"):
+        load_heads(tmp_path, tiny_backbone)
+
+
+def test_diverged_heads_are_never_written(tiny_backbone, typed_cfg, tmp_path):
+    from mtp_train.cli.train import save_heads
+    from mtp_train.errors import MtpError
+
+    cfg = typed_cfg("backbone=tiny", "heads.k=2")
+    heads = build_heads(cfg.heads, tiny_backbone)
+    with torch.no_grad():
+        next(p for p in heads.parameters() if p.requires_grad).view(-1)[3] = float("inf")
+    with pytest.raises(MtpError, match=r"heads.safetensors: not written, training diverged .*non-finite"):
+        save_heads(tmp_path, heads, tiny_backbone, cfg, {})
+    assert list(tmp_path.iterdir()) == []

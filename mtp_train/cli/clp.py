@@ -114,7 +114,6 @@ def calibration_key(cfg: Config, predictor_meta: dict, prompts: list[list[int]])
 def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     import lightning as L
     import torch
-    from datasets import load_from_disk
     from torch.utils.data import DataLoader, TensorDataset
 
     from mtp_train.artifacts import file_sha256, read_json, read_manifest
@@ -128,6 +127,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
         save_predictor,
         undo_class_weights,
     )
+    from mtp_train.data.labels import read_labels
     from mtp_train.lit.clp import SpanFitModule
 
     labels_dir = out / "labels"
@@ -138,11 +138,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     if manifest.get("heads_sha256") != heads_hash or manifest.get("k") != heads.k:
         raise ConfigError(f"{labels_dir}: labels were made with another heads checkpoint; rerun "
                           "`mtp-clp stage=label` for clp.heads")
-    ds = load_from_disk(str(labels_dir)).with_format("numpy")  # columns as arrays, not Python lists
-    hidden = torch.as_tensor(ds["hidden"][:], dtype=torch.float32)  # (n, d)
-    probs = torch.as_tensor(ds["head_probs"][:], dtype=torch.float32)  # (n, k)
-    labels = torch.as_tensor(ds["label"][:], dtype=torch.long)
-    prompt = torch.as_tensor(ds["prompt"][:], dtype=torch.long)
+    hidden, probs, labels, prompt = read_labels(labels_dir, heads.k, backbone.hidden_size)
     n_prompts = int(prompt.max()) + 1
     val_every = max(2, round(1 / cfg.clp.val_fraction))
     is_val = (prompt % val_every) == 0  # held out by prompt, not by step: steps of one answer correlate

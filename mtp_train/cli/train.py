@@ -178,11 +178,14 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
                elapsed_s: float | None = None, recipe: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
-    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.artifacts import check_finite, write_json_atomic
     from mtp_train.heads import heads_state_dict
 
+    state = heads_state_dict(heads)
+    check_finite(state, f"{run_dir / HEADS_FILE}: not written, training diverged (lower train.lr or "
+                        "check the data)")
     tmp = run_dir / (HEADS_FILE + ".tmp")
-    save_file(heads_state_dict(heads), str(tmp))
+    save_file(state, str(tmp))
     os.replace(tmp, run_dir / HEADS_FILE)
     write_json_atomic(run_dir / HEADS_META, {
         "head_type": cfg.heads.type, "k": cfg.heads.k, "draft_size": heads.draft_size,

@@ -28,6 +28,8 @@ from mtp_train.artifacts import (
     write_json_atomic,
 )
 
+from mtp_train.errors import MtpError
+
 log = logging.getLogger(__name__)
 PLAN = "plan.json"
 
@@ -166,3 +168,35 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
     log.info("labels: %d positions of %d self-distilled rows (from the cache), histogram of m* %s",
              len(ds), len(rows) - first, hist)
     return manifest
+
+
+def read_labels(out: Path, k: int, hidden_size: int) -> tuple[torch.Tensor, ...]:
+    """The labels dataset as tensors (hidden (n, d), head_probs (n, k), label (n,), prompt (n,)),
+    checked row by row: damaged files are refused naming the first bad row, never fitted on."""
+    from datasets import load_from_disk
+
+    out = Path(out)
+    redo = "rerun `mtp-clp stage=label force=true`"
+    try:
+        ds = load_from_disk(str(out)).with_format("numpy")  # columns as arrays, not Python lists
+        cols = {c: torch.as_tensor(ds[c][:]) for c in ("hidden", "head_probs", "label", "prompt")}
+    except Exception as e:  # Arrow reports damage as several error types
+        raise MtpError(f"{out}: cannot read the acceptance labels ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); {redo}") from None
+    hidden, probs = cols["hidden"].float(), cols["head_probs"].float()
+    labels, prompt = cols["label"].long(), cols["prompt"].long()
+    n = len(labels)
+    if n == 0:
+        raise MtpError(f"{out}: no acceptance labels in it; {redo}")
+    if hidden.shape != (n, hidden_size) or probs.shape != (n, k):
+        raise MtpError(f"{out}: hidden {tuple(hidden.shape)} and head_probs {tuple(probs.shape)} do not fit "
+                       f"d={hidden_size}, k={k}; {redo}")
+    bad = {"a non-finite hidden state": ~torch.isfinite(hidden).all(-1),
+           "a head probability outside [0, 1]": ~((probs >= 0) & (probs <= 1)).all(-1),
+           f"a label outside 0..{k}": (labels < 0) | (labels > k),
+           "a negative prompt index": prompt < 0}
+    for what, rows in bad.items():
+        if rows.any():
+            raise MtpError(f"{out}: row {int(rows.nonzero()[0, 0])} has {what} ({int(rows.sum())} such rows); "
+                           f"{redo}")
+    return hidden, probs, labels, prompt

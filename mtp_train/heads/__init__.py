@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mtp_train.artifacts import check_finite
 from mtp_train.config import HeadsConfig
 from mtp_train.errors import ConfigError, MtpError
 from mtp_train.heads.chained import ChainedMTP
@@ -93,6 +94,7 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
         state = load_file(str(weights))
     except Exception as e:  # safetensors reports truncation and bad headers as several error types
         raise MtpError(f"{weights}: not a readable safetensors file ({e})") from None
+    check_finite(state, str(weights))
     cfg = HeadsConfig(**meta["heads"])
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
