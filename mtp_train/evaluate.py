@@ -45,6 +45,27 @@ REPORT = "eval_report.json"
 # prompts
 
 
+def checked_messages(raw: list, where: str) -> list[dict]:
+    """A prompt's messages with the roles the data stage knows (`sources.ROLE_MAP`, ShareGPT names
+    included) and text content; anything else is refused naming the line and the message."""
+    from mtp_train.data.sources import ROLE_MAP
+
+    if not raw:
+        raise DataError(f"{where}: empty messages list")
+    out = []
+    for i, m in enumerate(raw):
+        role = ROLE_MAP.get(str(m.get("role", m.get("from", ""))).lower()) if isinstance(m, dict) else None
+        content = m.get("content", m.get("value")) if isinstance(m, dict) else None
+        if role is None:
+            raise DataError(f"{where}: message {i} has an unknown role "
+                            f"{(m.get('role', m.get('from')) if isinstance(m, dict) else m)!r} "
+                            f"(known: {', '.join(sorted(set(ROLE_MAP)))})")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} has no text content")
+        out.append({"role": role, "content": content})
+    return out
+
+
 def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     """Rows {"prompt": str} (or {"messages": [...]}) rendered with the chat template."""
     from mtp_train.data.template import render_prompt
@@ -53,8 +74,13 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     if not path.is_file():
         raise DataError(f"eval.prompts: {path} does not exist")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                                f"column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -62,7 +88,7 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {line_no}: not JSON ({e.msg})") from None
             if isinstance(row, dict) and isinstance(row.get("messages"), list):
-                messages = row["messages"]
+                messages = checked_messages(row["messages"], f"{path}, line {line_no}")
             elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
                 if not row["prompt"].strip():
                     raise DataError(f"{path}, line {line_no}: empty prompt")

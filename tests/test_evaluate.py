@@ -708,3 +708,23 @@ def test_report_tree_targets_and_the_shortfall_explanation():
     assert "tree63" in why[1] and "2.30" in why[1] and "3.00x" in why[1]
     # the best tau / cost: tree4's 1.6 / 1.1 = 1.45 beats tree63's 2.3 / 3.4
     assert "1.45 (tree4" in why[2]
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"prompt": "caf\xe9 au lait"}\n', r"p.jsonl, line 2: not UTF-8 text \(byte 0xe9 at column 16\)"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}]}\n', r"p.jsonl, line 2: message 0 has an unknown role 'wizard'"),
+    (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', r"p.jsonl, line 2: message 0 has no text content"),
+    (b'{"messages": []}\n', r"p.jsonl, line 2: empty messages list"),
+])
+def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_path, content, message):
+    """Prompts are held to the data stage's rules: an unknown role is not rendered as
+    `<|im_start|>wizard`, and bytes that are not UTF-8 are an error naming line and column."""
+    from mtp_train.errors import DataError
+    from mtp_train.evaluate import load_prompts_jsonl
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"messages": [{"from": "human", "value": "fine"}]}\n' + content)
+    with pytest.raises(DataError, match=message):
+        load_prompts_jsonl(path, tiny_tokenizer)
+    path.write_bytes(b'{"messages": [{"from": "human", "value": "fine"}]}\n')
+    assert len(load_prompts_jsonl(path, tiny_tokenizer)) == 1

@@ -138,3 +138,30 @@ def test_tiny_conversations_are_deterministic():
     assert a == sources.make_tiny_conversations(20, seed=1)
     assert a != sources.make_tiny_conversations(20, seed=2)
     assert all(c["messages"][-1]["role"] == "assistant" for c in a)
+
+
+def test_rows_with_bytes_that_are_not_utf8_are_dropped_by_line_not_kept_with_replacement_chars(tmp_path, caplog):
+    """Both file readers: the row with the bad byte is skipped, counted and its line reported;
+    no U+FFFD reaches the prepared text, and the rows around it are kept."""
+    from mtp_train.config import DataConfig
+    from mtp_train.data.build import _report_source
+
+    jsonl = tmp_path / "u.jsonl"
+    jsonl.write_bytes(b'{"prompt": "ok", "response": "fine"}\n{"prompt": "caf\xe9", "response": "x"}\n'
+                      b'{"prompt": "also ok", "response": "good"}\n')
+    stats = sources.SourceStats()
+    convs = list(sources.read_jsonl(jsonl, stats, keep_prompt_only=False))
+    assert [c["messages"][0]["content"] for c in convs] == ["ok", "also ok"]
+    assert stats.dropped[sources.NOT_UTF8_REASON] == 1 and stats.bad_lines == [2]
+    with caplog.at_level(logging.WARNING):
+        _report_source(DataConfig(name="j", source="jsonl", path=str(jsonl), output_dir="x"), stats, 2)
+    assert "1 bytes that are not UTF-8" in caplog.text and "line(s) 2" in caplog.text
+
+    array = tmp_path / "sg.json"
+    array.write_bytes(json.dumps(GOOD[:2], indent=2).replace('"Hello!"', '"Hello\\u0021 @"').encode()
+                      .replace(b"@", b"\xff\xfe"))
+    stats = sources.SourceStats()
+    convs = list(sources.read_sharegpt(array, stats, keep_prompt_only=False))
+    assert [c["id"] for c in convs] == ["c1"] and stats.parsed == 1
+    assert stats.dropped[sources.NOT_UTF8_REASON] == 1 and stats.bad_lines == [2]
+    assert not any("\ufffd" in m["content"] for c in convs for m in c["messages"])

@@ -158,7 +158,8 @@ def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
 
 def _report_source(cfg: DataConfig, stats: sources.SourceStats, kept: int) -> None:
     where = cfg.path or ("the in-code generator" if cfg.source == "tiny" else "the bundled file")
-    unparsed = {r: n for r, n in stats.dropped.items() if "malformed" in r or "truncated" in r}
+    unparsed = {r: n for r, n in stats.dropped.items()
+                if "malformed" in r or "truncated" in r or r == sources.NOT_UTF8_REASON}
     filtered = {r: n for r, n in stats.dropped.items() if r not in unparsed}
     log.info("data (%s): %s complete conversations kept from %s", cfg.source, f"{stats.parsed:,}", where)
     if unparsed:

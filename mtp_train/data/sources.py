@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -111,7 +112,9 @@ def iter_json_array(path: Path, stats: SourceStats) -> Iterator[tuple[int, objec
     A truncated tail is counted as one dropped record. A malformed element in the middle is skipped
     by resynchronising on the next line that opens an object, and its line number is recorded.
     """
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    # bytes that are not UTF-8 become lone surrogates here, so the records holding them can be
+    # dropped by line instead of trained on with U+FFFD in their text
+    text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
     dec = json.JSONDecoder()
     n = len(text)
     pos = _skip_ws(text, 0)
@@ -146,9 +149,16 @@ def iter_json_array(path: Path, stats: SourceStats) -> Iterator[tuple[int, objec
             stats.drop("malformed JSON record", line_of(pos))
             pos = nxt + 1
             continue
-        stats.parsed += 1
-        yield line_of(pos), obj
+        if NOT_UTF8.search(text, pos, end):
+            stats.drop(NOT_UTF8_REASON, line_of(pos))
+        else:
+            stats.parsed += 1
+            yield line_of(pos), obj
         pos = end
+
+
+NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a byte that is not UTF-8
+NOT_UTF8_REASON = "bytes that are not UTF-8"
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -204,8 +214,13 @@ def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterat
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data.path: {path} does not exist")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.drop(NOT_UTF8_REASON, lineno)
+                continue
             if not line.strip():
                 continue
             try:
