@@ -221,8 +221,15 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
 
 
 def run_clp(cfg: Config) -> dict:
+    from mtp_train.runlock import run_lock
+
     if cfg.stage not in STAGES:
         raise ConfigError(f"stage: mtp-clp has stages {', '.join(STAGES)}, got {cfg.stage!r}")
+    with run_lock(Path(cfg.paths.output_dir), "mtp-clp"):
+        return _run_clp(cfg)
+
+
+def _run_clp(cfg: Config) -> dict:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     from mtp_train.artifacts import read_json, write_json_atomic

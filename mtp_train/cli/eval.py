@@ -157,6 +157,13 @@ def finished_eval(cfg: Config, out_dir: Path, key: str) -> dict | None:
 
 
 def run_eval(cfg: Config) -> dict:
+    from mtp_train.runlock import run_lock
+
+    with run_lock(Path(cfg.paths.output_dir), "mtp-eval"):
+        return _run_eval(cfg)
+
+
+def _run_eval(cfg: Config) -> dict:
     import time
 
     from mtp_train.artifacts import write_json_atomic

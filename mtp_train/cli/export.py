@@ -56,6 +56,15 @@ def load_recipe(run_dir: Path):
 
 
 def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
+    from mtp_train.runlock import run_lock
+
+    if not Path(run_dir).is_dir():
+        raise MtpError(f"{run_dir}: no run directory here")
+    with run_lock(Path(run_dir), "mtp-export-heads"):
+        return _export_heads(run_dir, checkpoint)
+
+
+def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     import torch
 
     from mtp_train.backbone import load_backbone

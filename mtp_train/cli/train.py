@@ -232,11 +232,6 @@ def gathered(heads, trainer):
     return contextlib.nullcontext()
 
 
-def _is_rank_zero() -> bool:
-    """Before Lightning sets ranks up: rank 0 of a torchrun/srun launch, or a single process."""
-    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "SLURM_PROCID", "LOCAL_RANK"))
-
-
 def _pin_local_gpu() -> None:
     """With several processes per node, make this rank's GPU the current one before the backbone
     loads, so 8 ranks do not all put a copy (and a CUDA context) on GPU 0 first."""
@@ -248,6 +243,13 @@ def _pin_local_gpu() -> None:
 
 
 def run_train(cfg: Config) -> dict:
+    from mtp_train.runlock import run_lock
+
+    with run_lock(Path(cfg.paths.output_dir), "mtp-train"):
+        return _run_train(cfg)
+
+
+def _run_train(cfg: Config) -> dict:
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -257,6 +259,7 @@ def run_train(cfg: Config) -> dict:
     from mtp_train.heads import build_heads, count_parameters
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
+    from mtp_train.runlock import is_rank_zero
 
     check_trainer(cfg.trainer, multirun=_in_multirun())
     _pin_local_gpu()
@@ -279,7 +282,7 @@ def run_train(cfg: Config) -> dict:
     old_recipe = (read_json(run_dir / RUN_META) or {}).get("recipe")
     if done is None and (cfg.force or (old_recipe and old_recipe != recipe)) and any(
             (run_dir / n).exists() for n in ("checkpoints", HEADS_FILE)):
-        if _is_rank_zero():
+        if is_rank_zero():
             where = supersede(run_dir, old_recipe or "unknown")
             log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir,
                         "force=true" if cfg.force else "the recipe changed", where)
