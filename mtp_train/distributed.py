@@ -42,6 +42,12 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
 
         gpus = torch.cuda.device_count()
     cpus = cpus or os.cpu_count() or 1
+    steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs")
+    if steps is not None and (steps == 0 or steps < -1):
+        raise ConfigError(f"trainer.max_steps: {steps} trains nothing (and would write untrained heads); "
+                          "give a positive number, or -1 to let trainer.max_epochs decide")
+    if epochs is not None and epochs == 0:
+        raise ConfigError("trainer.max_epochs: 0 trains nothing (and would write untrained heads)")
     accel = str(trainer.get("accelerator", "auto")).lower()
     devices = trainer.get("devices", 1)
     strategy = strategy_name(trainer.get("strategy"))

@@ -78,6 +78,12 @@ def test_trainer_checks_name_the_key():
                       multirun=True)
     check_trainer({"accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2)
     check_trainer({"accelerator": "gpu", "devices": 8, "strategy": "deepspeed"}, gpus=8)
+    for steps in (0, -5):  # would write untrained heads
+        with pytest.raises(ConfigError, match=rf"trainer.max_steps: {steps} trains nothing"):
+            check_trainer({"accelerator": "cpu", "max_steps": steps}, gpus=0)
+    with pytest.raises(ConfigError, match="trainer.max_epochs: 0 trains nothing"):
+        check_trainer({"accelerator": "cpu", "max_steps": -1, "max_epochs": 0}, gpus=0)
+    check_trainer({"accelerator": "cpu", "max_steps": -1, "max_epochs": 2}, gpus=0)
 
 
 def test_mtp_train_refuses_deepspeed_on_cpu_with_one_line(tmp_path):

@@ -262,3 +262,28 @@ def test_diverged_heads_are_never_written(tiny_backbone, typed_cfg, tmp_path):
     with pytest.raises(MtpError, match=r"heads.safetensors: not written, training diverged .*non-finite"):
         save_heads(tmp_path, heads, tiny_backbone, cfg, {})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["heads"].update(colour="red"), r"heads.json: 'heads' has keys this version does not know: colour"),
+    (lambda m: m["heads"].update(k=0), r"heads.json: its 'heads' settings are invalid \(heads.k: must be >= 1"),
+    (lambda m: m.pop("heads"), r"heads.json: has no 'heads' settings"),
+    (lambda m: m.update(backbone=[1]), r"heads.json: has no 'backbone' record"),
+])
+def test_a_damaged_heads_json_is_blamed_not_the_command_line(tiny_backbone, tmp_path, edit, message):
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.errors import MtpError
+    from mtp_train.heads import heads_state_dict, load_heads
+
+    cfg = HeadsConfig(type="medusa", k=2)
+    save_file(heads_state_dict(build_heads(cfg, tiny_backbone)), str(tmp_path / "heads.safetensors"))
+    meta = {"heads": dataclasses.asdict(cfg), "backbone": {"name": tiny_backbone.name, "hidden_size": 64,
+                                                            "vocab_size": 259}}
+    edit(meta)
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(MtpError, match=message):
+        load_heads(tmp_path, tiny_backbone)

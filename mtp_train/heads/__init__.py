@@ -52,6 +52,23 @@ def heads_state_dict(heads: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}
 
 
+def heads_config_from(meta: dict, meta_file: Path) -> HeadsConfig:
+    """The heads' settings recorded in heads.json; faults are the file's, not the command line's."""
+    import dataclasses
+
+    recorded = meta.get("heads") if isinstance(meta, dict) else None
+    if not isinstance(recorded, dict):
+        raise MtpError(f"{meta_file}: has no 'heads' settings (written by mtp-train, or damaged)")
+    known = {f.name for f in dataclasses.fields(HeadsConfig)}
+    if stray := sorted(set(recorded) - known):
+        raise MtpError(f"{meta_file}: 'heads' has keys this version does not know: {', '.join(stray)} "
+                       f"(known: {', '.join(sorted(known))})")
+    try:
+        return HeadsConfig(**recorded)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise MtpError(f"{meta_file}: its 'heads' settings are invalid ({e})") from None
+
+
 def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreign: bool) -> None:
     """Heads drafted for one backbone's hidden states are wrong for another of the same shape."""
     problems = []
@@ -84,7 +101,9 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
         raise MtpError(f"{meta_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    bb = meta.get("backbone", {})
+    bb = meta.get("backbone") if isinstance(meta, dict) else None
+    if not isinstance(bb, dict):
+        raise MtpError(f"{meta_file}: has no 'backbone' record (written by mtp-train, or damaged)")
     for key, have in (("hidden_size", backbone.hidden_size), ("vocab_size", backbone.vocab_size)):
         if bb.get(key) != have:
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
@@ -95,7 +114,7 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     except Exception as e:  # safetensors reports truncation and bad headers as several error types
         raise MtpError(f"{weights}: not a readable safetensors file ({e})") from None
     check_finite(state, str(weights))
-    cfg = HeadsConfig(**meta["heads"])
+    cfg = heads_config_from(meta, meta_file)
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
