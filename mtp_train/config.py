@@ -102,6 +102,9 @@ class BackboneConfig:
             _check(bool(self.converted_dir), "backbone.converted_dir", "required for gguf")
 
 
+MAX_K = 16
+
+
 @dataclass
 class HeadsConfig:
     type: str = "chained"
@@ -118,6 +121,9 @@ class HeadsConfig:
         _choice(self.type, HEAD_TYPES, "heads.type")
         _choice(self.init, ("copy_last", "random"), "heads.init")
         _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
+        # the validation's rank statistics count (R + 1)^k cells per entropy bucket, R >= 1
+        _check(self.k <= MAX_K, "heads.k", f"at most {MAX_K} (deeper drafts are all but never accepted, "
+                                           f"and the tree statistics would not fit), got {self.k}")
         _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
         _choice(self.lm_head, ("shared", "copy"), "heads.lm_head")
         _check(self.draft_vocab is None or self.draft_vocab >= 2, "heads.draft_vocab",

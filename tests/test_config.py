@@ -74,6 +74,8 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("train.batch_size=0", "train.batch_size"),
     ("train.data_use=web", "train.data_use"),
     ("data.max_length=3", "heads.k"),  # k=3 leaves no target in 3 tokens
+    ("heads.k=17", "heads.k"),  # the tree statistics would not fit
+    ("clp.label_split=test", "clp.label_split"),
     ("eval.rounds=0", "eval.rounds"),
     ("eval.prompt_source=train", "eval.prompt_source"),
     ("eval.prompt_source=unseen eval.prompts=p.jsonl", "eval.prompt_source"),

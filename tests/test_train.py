@@ -313,3 +313,17 @@ def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(t
     assert const[99] == 1.0
     assert all(x == pytest.approx(1.0) for x in wsd[10:80]) and wsd[99] < 0.15  # stable, then decay
     assert cos[50] < 1.0 and cos[99] == pytest.approx(0.1, abs=0.01)
+
+
+def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
+    from mtp_train.cli.prep import data_dirs
+    from mtp_train.cli.train import ensure_tiny_data
+    from mtp_train.errors import ConfigError
+    from mtp_train.lit.data import MTPDataModule
+
+    cfg = typed_cfg(*FAST)
+    ensure_tiny_data(cfg)
+    MTPDataModule(data_dirs(cfg), 0, 4, 12, k=10).setup()  # 12 tokens hold one target at depth 10
+    with pytest.raises(ConfigError, match=r"^heads.k: 11 heads need rows of at least 13 tokens; the longest "
+                                          r"training row has 12 \(rows cropped to 12\)"):
+        MTPDataModule(data_dirs(cfg), 0, 4, 12, k=11).setup()

@@ -304,7 +304,7 @@ def _run_train(cfg: Config) -> dict:
     cache = open_cache(cfg, backbone)
     dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
                        max_length, cfg.train.num_workers, cfg.seed, cache=cache,
-                       data_fraction=cfg.train.data_fraction)
+                       data_fraction=cfg.train.data_fraction, k=cfg.heads.k)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
     ckpt_dir = run_dir / "checkpoints"
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from mtp_train.errors import DataError
+from mtp_train.errors import ConfigError, DataError
 from mtp_train.targets import IGNORE
 
 COLUMNS = ["input_ids", "labels"]
@@ -141,8 +141,10 @@ class RankSlice(Sampler):
 
 class MTPDataModule(L.LightningDataModule):
     def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
-                 num_workers: int = 0, seed: int = 0, cache=None, data_fraction: float = 1.0):
+                 num_workers: int = 0, seed: int = 0, cache=None, data_fraction: float = 1.0,
+                 k: int | None = None):
         super().__init__()
+        self.k = k  # the heads' depth: each split needs a row long enough for one target at every depth
         self.cache = cache  # a HiddenCache: batches then carry "hidden" and the backbone is skipped
         self.dirs, self.batch_size, self.num_workers, self.seed = dirs, batch_size, num_workers, seed
         self.collate = Collator(pad_id, max_length)
@@ -159,6 +161,14 @@ class MTPDataModule(L.LightningDataModule):
             keep = first_fraction([s["train"] for s in sizes], self.data_fraction)
             ids = splits["train"]["input_ids"]
             self.train_tokens = sum(min(len(ids[i]), self.max_length) for i in keep)
+            if self.k is not None:
+                for split, rows in (("training", [ids[i] for i in keep]),
+                                    ("validation", splits["validation"]["input_ids"])):
+                    longest = max((min(len(r), self.max_length) for r in rows), default=0)
+                    if longest < self.k + 2:  # depth k at position t predicts token t + k + 1
+                        raise ConfigError(
+                            f"heads.k: {self.k} heads need rows of at least {self.k + 2} tokens; the longest "
+                            f"{split} row has {longest} (rows cropped to {self.max_length}); lower heads.k")
             if self.cache is not None:
                 splits = {s: CachedRows(d, self.cache, s) for s, d in splits.items()}
             if len(keep) < len(splits["train"]):  # by index: the cache is indexed by the full split
