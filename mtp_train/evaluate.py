@@ -68,6 +68,8 @@ def checked_messages(raw: list, where: str) -> list[dict]:
 
 def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     """Rows {"prompt": str} (or {"messages": [...]}) rendered with the chat template."""
+    from jinja2 import TemplateError
+
     from mtp_train.data.template import render_prompt
 
     path = Path(path)
@@ -95,7 +97,10 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
                 messages = [{"role": "user", "content": row["prompt"]}]
             else:
                 raise DataError(f"{path}, line {line_no}: expected {{\"prompt\": \"...\"}}")
-            out.append(render_prompt(tokenizer, messages))
+            try:
+                out.append(render_prompt(tokenizer, messages))
+            except TemplateError as e:
+                raise DataError(f"{path}, line {line_no}: the chat template refused these messages ({e})") from None
     if not out:
         raise DataError(f"{path}: no prompts in the file")
     return out

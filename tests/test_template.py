@@ -102,3 +102,42 @@ def test_a_conversation_the_template_refuses_is_reported_not_fatal(tiny_tokenize
                                    val_fraction=0.2, output_dir=str(tmp_path / "out")), tok)
     assert m["counts"]["dropped_after_render"] == {"chat template refused the conversation": 3}
     assert m["counts"]["kept"] == 5
+
+
+def test_a_huge_row_is_cut_before_it_is_tokenized_and_gives_the_same_tokens(tiny_tokenizer, monkeypatch):
+    """One 2 MB message: the tokenizer sees at most 2 x max_length x (longest token) characters,
+    and the row's ids and labels equal those of tokenizing the whole text, then truncating."""
+    from mtp_train.data import template
+
+    conv = [{"role": "user", "content": "tell me " + "a lot of things, " * 120_000},
+            {"role": "assistant", "content": "ok"}]
+    full = tiny_tokenizer.apply_chat_template(conv, tokenize=False)
+    want = tiny_tokenizer(full, add_special_tokens=False, truncation=True, max_length=64)["input_ids"]
+    seen = []
+    real = type(tiny_tokenizer).__call__
+
+    def spy(self, texts, *a, **k):
+        seen.extend(len(t) for t in texts)
+        return real(self, texts, *a, **k)
+
+    monkeypatch.setattr(type(tiny_tokenizer), "__call__", spy)
+    ids, labels, errors = render_batch(tiny_tokenizer, [conv], 64)
+    assert ids == [list(want)] and errors == [""] and all(v == IGNORE for v in labels[0])
+    assert len(full) > 2_000_000 and max(seen) <= 2 * 64 * template.longest_token_chars(tiny_tokenizer)
+
+
+def test_eval_prompts_the_template_refuses_are_an_error_naming_the_line(tiny_tokenizer, tmp_path):
+    import copy
+
+    from mtp_train.evaluate import load_prompts_jsonl
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"messages": [{"role": "system", "content": "S"}, '
+                    '{"role": "user", "content": "u"}]}\n')
+    with pytest.raises(DataError, match=r"p.jsonl, line 2: the chat template refused these messages "
+                                        r"\(System role not supported\)"):
+        load_prompts_jsonl(path, tok)

@@ -54,6 +54,18 @@ def label_tokens(offsets: list[tuple[int, int]], ids: list[int], spans: list[tup
     return labels
 
 
+_LONGEST: dict[int, int] = {}
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (vocabulary strings, byte-level
+    markers included, bound it from above)."""
+    key = id(tokenizer)
+    if key not in _LONGEST:
+        _LONGEST[key] = max(map(len, tokenizer.get_vocab()), default=1)
+    return _LONGEST[key]
+
+
 def render_batch(tokenizer, conversations: list[list[dict]], max_length: int):
     """Render and label a batch; returns input_ids, labels (truncated to max_length) and errors.
 
@@ -71,6 +83,10 @@ def render_batch(tokenizer, conversations: list[list[dict]], max_length: int):
         except TemplateError as e:
             texts.append("")
             errors.append(f"chat template refused the conversation: {e}")
+    # the first max_length tokens cover at most max_length x (longest token) characters: cut the
+    # text (with a 2x margin) before tokenizing, so one huge row does not tokenize in full to be cut
+    budget = 2 * max_length * longest_token_chars(tokenizer)
+    texts = [t[:budget] for t in texts]
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
                     truncation=True, max_length=max_length)
     input_ids, labels = [], []
