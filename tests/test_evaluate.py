@@ -728,3 +728,20 @@ def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_
         load_prompts_jsonl(path, tiny_tokenizer)
     path.write_bytes(b'{"messages": [{"from": "human", "value": "fine"}]}\n')
     assert len(load_prompts_jsonl(path, tiny_tokenizer)) == 1
+
+
+@pytest.mark.parametrize("over,message", [
+    (["eval.max_new_tokens=600"], r"^eval.max_new_tokens: 600 new tokens do not fit the backbone's context of 512"),
+    (["eval.max_new_tokens=500"], r"^eval.max_new_tokens: the shortest prompt \(\d+ tokens\) \+ 500 new tokens "
+                                  r"exceed the backbone's context of 512"),
+    (["eval.max_prompt_tokens=5"], r"^eval.max_prompt_tokens: every prompt is longer than 5 tokens"),
+])
+def test_when_no_prompt_fits_the_message_blames_the_setting_that_excluded_them(tiny_backbone, tmp_path,
+                                                                              over, message):
+    from mtp_train.cli.eval import select_prompts
+    from mtp_train.errors import ConfigError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "short one"}\n{"prompt": "a little longer one"}\n')
+    with pytest.raises(ConfigError, match=message):
+        select_prompts(_eval_cfg(tmp_path, f"eval.prompts={f}", *over), tiny_backbone)

@@ -327,3 +327,15 @@ def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
     with pytest.raises(ConfigError, match=r"^heads.k: 11 heads need rows of at least 13 tokens; the longest "
                                           r"training row has 12 \(rows cropped to 12\)"):
         MTPDataModule(data_dirs(cfg), 0, 4, 12, k=11).setup()
+
+
+def test_a_checkpoint_cut_off_while_saving_is_refused_with_the_way_out(typed_cfg, tmp_path):
+    base = [*FAST, "heads=medusa", "heads.k=2", "loss=kl"]
+    run_train(typed_cfg(*base))
+    last = tmp_path / "out" / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a kill during the save
+    with pytest.raises(MtpError, match=r"last.ckpt: cannot be read \(.*\); it was probably cut off while being "
+                                       r"saved. Rerun with force=true to train afresh"):
+        run_train(typed_cfg(*base, "trainer.max_steps=6"))
+    metrics = run_train(typed_cfg(*base, "trainer.max_steps=6", "force=true"))
+    assert metrics["val/sim_tau"] >= 1.0

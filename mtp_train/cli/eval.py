@@ -36,6 +36,9 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
     else:
         prompts = held_out_prompts(labelled_dir(cfg))
     context = getattr(backbone.config, "max_position_embeddings", None) or 10**9
+    if e.max_new_tokens >= context:
+        raise ConfigError(f"eval.max_new_tokens: {e.max_new_tokens} new tokens do not fit the backbone's "
+                          f"context of {context} tokens with any prompt; ask for fewer")
     lazy = not e.prompts and e.prompt_source == "unseen"  # rendered one by one: stop at n_prompts
     keep, skipped = [], 0
     for p in prompts:
@@ -49,7 +52,12 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
         log.warning("%d prompt(s) longer than eval.max_prompt_tokens=%d or the context (%d) skipped",
                     skipped, e.max_prompt_tokens, context)
     if not keep:
-        raise ConfigError("eval.max_prompt_tokens: every prompt is too long")
+        shortest = min((len(p) for p in prompts), default=0)
+        if shortest <= e.max_prompt_tokens:  # the context, not the prompt cap, ruled them all out
+            raise ConfigError(f"eval.max_new_tokens: the shortest prompt ({shortest} tokens) + "
+                              f"{e.max_new_tokens} new tokens exceed the backbone's context of {context}")
+        raise ConfigError(f"eval.max_prompt_tokens: every prompt is longer than {e.max_prompt_tokens} tokens "
+                          f"(the shortest has {shortest})")
     return keep[: e.n_prompts] if e.n_prompts else keep, skipped
 
 

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from mtp_train.cli.common import CONF_DIR, entry, log
 from mtp_train.cli.prep import data_dirs
 from mtp_train.config import Config
-from mtp_train.errors import ConfigError
+from mtp_train.errors import ConfigError, MtpError
 from mtp_train.heads import HEADS_FILE, HEADS_META
 from mtp_train.trees import TREE_STATS
 
@@ -163,6 +163,22 @@ def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: 
                     "hydra.run.dir, or the same backbone= and heads= settings to resume")
     if write:
         write_json_atomic(run_dir / RUN_META, meta)
+
+
+def check_readable(last: Path, run_dir: Path) -> None:
+    """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
+    Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed."""
+    import torch
+
+    if not last.is_file():
+        return
+    try:
+        torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch reports a damaged archive as several error types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise MtpError(f"{last}: cannot be read ({type(e).__name__}: {first}); it was probably cut off while "
+                       f"being saved. Rerun with force=true to train afresh (what {run_dir} holds now moves "
+                       f"to {run_dir / SUPERSEDED})") from None
 
 
 def close_loggers(loggers: list) -> None:
@@ -320,6 +336,7 @@ def _run_train(cfg: Config) -> dict:
     check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero,
                          recipe=recipe)
     if resuming:
+        check_readable(last, run_dir)
         log.info("resuming from %s", last)
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
