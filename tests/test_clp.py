@@ -110,6 +110,7 @@ def test_a_weighted_fit_overstates_long_spans_until_its_weights_are_undone():
     assert after["val/nll"] < before["val/nll"]
 
 
+@pytest.mark.bad_input
 def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
     torch.manual_seed(0)
     pred = LinearCLP(16, 3, use_head_probs=True)
@@ -126,6 +127,7 @@ def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
         load_predictor(tmp_path, 16, 3, "smollm2")
 
 
+@pytest.mark.bad_input
 def test_pick_tau_takes_the_fastest_within_bounds_and_refuses_when_none():
     from mtp_train.clp import pick_tau
 
@@ -254,6 +256,7 @@ def _labels(tmp_path, n=40, k=3, d=8):
     ("probs", r"row 5 has a head probability outside \[0, 1\]"),
     ("bytes", r"(cannot read the acceptance labels|row \d+ has)"),
 ])
+@pytest.mark.bad_input
 def test_damaged_labels_are_refused_naming_the_row_not_fitted(tmp_path, damage, message):
     """The issue's case: bytes overwritten inside the Arrow file used to fit a NaN predictor."""
     from datasets import Dataset, load_from_disk
@@ -279,6 +282,7 @@ def test_damaged_labels_are_refused_naming_the_row_not_fitted(tmp_path, damage, 
     assert str(out) in str(err.value) and "mtp-clp stage=label force=true" in str(err.value)
 
 
+@pytest.mark.bad_input
 def test_a_predictor_with_non_finite_weights_is_never_written_nor_loaded(tmp_path):
     from safetensors.torch import save_file
 

@@ -80,12 +80,14 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("eval.prompt_source=train", "eval.prompt_source"),
     ("eval.prompt_source=unseen eval.prompts=p.jsonl", "eval.prompt_source"),
 ])
+@pytest.mark.bad_input
 def test_bad_values_are_rejected_naming_the_key(typed_cfg, override, key):
     with pytest.raises(ConfigError) as err:
         typed_cfg(*override.split())
     assert str(err.value).startswith(key), str(err.value)
 
 
+@pytest.mark.bad_input
 def test_jsonl_without_path_is_rejected(typed_cfg):
     with pytest.raises(ConfigError, match="data.path"):
         typed_cfg("data=jsonl")
@@ -95,12 +97,14 @@ def test_jsonl_without_path_is_rejected(typed_cfg):
     ("heads.k=abc", "heads.k"),
     ("data.max_length=long", "data.max_length"),
 ])
+@pytest.mark.bad_input
 def test_wrong_types_fail_at_compose_naming_the_key(compose_cfg, override, expected):
     with pytest.raises((ConfigCompositionException, ValidationError)) as err:
         compose_cfg(override)
     assert expected in str(err.value) or expected in str(err.value.__cause__)
 
 
+@pytest.mark.bad_input
 def test_unknown_key_fails_at_compose(compose_cfg):
     with pytest.raises((ConfigCompositionException, ConfigKeyError)) as err:
         compose_cfg("heads.depth=3")
@@ -110,6 +114,7 @@ def test_unknown_key_fails_at_compose(compose_cfg):
 @pytest.mark.parametrize("added,key,section", [("+heads.foo=3", "heads.foo", "keys of heads: "),
                                                 ("+foo=3", "foo", "keys of the top level: "),
                                                 ("+data.distill.tempo=1", "data.distill.tempo", "keys of data.distill: ")])
+@pytest.mark.bad_input
 def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(compose_cfg, added, key, section):
     """Hydra's own error for `heads.foo=3` suggests `+heads.foo=3`, which composes: validation stops it."""
     with pytest.raises(ConfigError) as err:
@@ -117,6 +122,7 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(compose_cfg, add
     assert str(err.value).startswith(f"{key}: not a config key ({section}")
 
 
+@pytest.mark.bad_input
 def test_the_cli_refuses_an_added_unknown_key_in_one_line(tmp_path):
     r = _run("mtp_train.cli.prep", "backbone=tiny", "+heads.foo=3", cwd=tmp_path)
     assert r.returncode == 2 and "heads.foo: not a config key" in r.stderr
@@ -128,6 +134,7 @@ def _run(*args, cwd):
                           timeout=300)
 
 
+@pytest.mark.bad_input
 def test_cli_bad_value_is_one_clear_line(tmp_path):
     r = _run("mtp_train.cli.prep", "backbone=tiny", "heads.k=0", cwd=tmp_path)
     assert r.returncode == 2
@@ -135,6 +142,7 @@ def test_cli_bad_value_is_one_clear_line(tmp_path):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.bad_input
 def test_cli_unknown_stage_names_the_key(tmp_path):
     r = _run("mtp_train.cli.prep", "backbone=tiny", "stage=train", cwd=tmp_path)
     assert r.returncode == 2

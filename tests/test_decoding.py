@@ -311,6 +311,7 @@ def test_adaptive_drafts_fewer_heads_when_acceptance_is_low(tiny_backbone):
     assert ent.choose().n == 0
 
 
+@pytest.mark.bad_input
 def test_bad_mode_arguments_are_refused(tiny_backbone):
     dec = Decoder(tiny_backbone, eos_ids=[])
     with pytest.raises(ValueError, match="needs heads"):

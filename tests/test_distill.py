@@ -154,6 +154,7 @@ def test_long_prompts_are_skipped_and_counted(tmp_path, labelled, tiny_backbone)
         distill_mod.distill(tmp_path / "labelled", tmp_path / "out", tiny_backbone, dcfg, 128)
 
 
+@pytest.mark.bad_input
 def test_an_empty_validation_split_is_an_error_not_a_broken_dataset(tmp_path, labelled, tiny_backbone):
     dcfg = dataclasses.replace(DCFG, max_val_prompts=0)
     with pytest.raises(DataError, match="no validation prompt"):

@@ -61,6 +61,7 @@ def test_validation_slices_are_disjoint_and_equal_per_rank():
 
 # --- trainer checks ------------------------------------------------------------------------------
 
+@pytest.mark.bad_input
 def test_trainer_checks_name_the_key():
     with pytest.raises(ConfigError, match="trainer.strategy.*CUDA"):
         check_trainer({"accelerator": "cpu", "devices": 1, "strategy": {
@@ -86,6 +87,7 @@ def test_trainer_checks_name_the_key():
     check_trainer({"accelerator": "cpu", "max_steps": -1, "max_epochs": 2}, gpus=0)
 
 
+@pytest.mark.bad_input
 def test_mtp_train_refuses_deepspeed_on_cpu_with_one_line(tmp_path):
     r = subprocess.run([str(BIN / "mtp-train"), *TINY, "trainer=deepspeed_stage_2",
                         f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run"],
@@ -112,6 +114,7 @@ def test_composed_deepspeed_configs_parse_with_deepspeed(compose_cfg, name, stag
     validate_deepspeed_config(ds)  # DeepSpeed's own parser accepts it
 
 
+@pytest.mark.bad_input
 def test_deepspeed_config_refusals():
     with pytest.raises(ConfigError, match="offload_parameters"):
         deepspeed_config(stage=2, offload_parameters=True)
@@ -132,6 +135,7 @@ class _Planted:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("where", ["model", "optim"])
 def test_a_planted_pickle_in_a_zero_checkpoint_is_refused_and_never_runs(tmp_path, where):
     """The layout DeepSpeed reads (`latest` naming a tag, per-rank files under it) with a payload in

@@ -131,6 +131,7 @@ def test_tree_modes_are_lossless_and_the_report_says_what_this_machine_chose(tra
     assert len(ent["decoder"]["trees"]["entropy_trees"]) == 4
 
 
+@pytest.mark.bad_input
 def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_them(trained_heads, tmp_path):
     import shutil
 
@@ -155,6 +156,7 @@ def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_t
     assert (old / "heads.safetensors").read_bytes() == before  # validation only
 
 
+@pytest.mark.bad_input
 def test_eval_bad_inputs_name_the_problem(trained_heads, tmp_path):
     root = trained_heads
     empty = tmp_path / "p.jsonl"
@@ -618,6 +620,7 @@ def test_prompt_messages_stop_before_the_first_answer_and_need_a_user_turn():
     assert prompt_messages([sys_, ans, user]) is None and prompt_messages([ans, user, ans]) is None
 
 
+@pytest.mark.bad_input
 def test_unseen_prompts_on_the_tiny_data_source_are_an_error_naming_the_key(trained_heads):
     from mtp_train.errors import ConfigError
 
@@ -716,6 +719,7 @@ def test_report_tree_targets_and_the_shortfall_explanation():
     (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', r"p.jsonl, line 2: message 0 has no text content"),
     (b'{"messages": []}\n', r"p.jsonl, line 2: empty messages list"),
 ])
+@pytest.mark.bad_input
 def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_path, content, message):
     """Prompts are held to the data stage's rules: an unknown role is not rendered as
     `<|im_start|>wizard`, and bytes that are not UTF-8 are an error naming line and column."""
@@ -736,6 +740,7 @@ def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_
                                   r"exceed the backbone's context of 512"),
     (["eval.max_prompt_tokens=5"], r"^eval.max_prompt_tokens: every prompt is longer than 5 tokens"),
 ])
+@pytest.mark.bad_input
 def test_when_no_prompt_fits_the_message_blames_the_setting_that_excluded_them(tiny_backbone, tmp_path,
                                                                               over, message):
     from mtp_train.cli.eval import select_prompts

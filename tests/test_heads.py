@@ -147,6 +147,7 @@ class _Fake:  # the parts of a backbone MedusaHeads reads
     hidden_size, vocab_size = 4, 9
 
 
+@pytest.mark.bad_input
 def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_path):
     import dataclasses
     import json
@@ -173,6 +174,7 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
         load_heads(tmp_path, tiny_backbone)
 
 
+@pytest.mark.bad_input
 def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, tmp_path, caplog):
     """Another seed and another name (the issue's case), the same weights renamed, and other weights
     under the same name: each refused naming what differs; allow_foreign_heads loads with a warning."""
@@ -231,6 +233,7 @@ def test_chained_blocks_start_as_the_backbones_last_layer_or_from_random_init(ti
         assert same and all(same) == (init == "copy_last") and (any(same) is (init == "copy_last"))
 
 
+@pytest.mark.bad_input
 def test_heads_with_non_finite_weights_are_refused_on_load(tiny_backbone, tmp_path):
     import dataclasses
     import json
@@ -251,6 +254,7 @@ def test_heads_with_non_finite_weights_are_refused_on_load(tiny_backbone, tmp_pa
         load_heads(tmp_path, tiny_backbone)
 
 
+@pytest.mark.bad_input
 def test_diverged_heads_are_never_written(tiny_backbone, typed_cfg, tmp_path):
     from mtp_train.cli.train import save_heads
     from mtp_train.errors import MtpError
@@ -270,6 +274,7 @@ def test_diverged_heads_are_never_written(tiny_backbone, typed_cfg, tmp_path):
     (lambda m: m.pop("heads"), r"heads.json: has no 'heads' settings"),
     (lambda m: m.update(backbone=[1]), r"heads.json: has no 'backbone' record"),
 ])
+@pytest.mark.bad_input
 def test_a_damaged_heads_json_is_blamed_not_the_command_line(tiny_backbone, tmp_path, edit, message):
     import dataclasses
     import json

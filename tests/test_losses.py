@@ -355,6 +355,7 @@ def test_compute_loss_dispatches(name):
     torch.testing.assert_close(got.loss, want.loss)
 
 
+@pytest.mark.bad_input
 def test_compute_loss_rejects_unknown_name_and_missing_inputs():
     logits, teacher, targets = _inputs()
     mask = _mask("ones")
@@ -366,6 +367,7 @@ def test_compute_loss_rejects_unknown_name_and_missing_inputs():
         compute_loss("kl", logits, targets=targets, mask=mask)
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, -1.0, 1.0), (0.0, 0.0, 0.0)])
 def test_bad_depth_weights_are_rejected(weights):
     logits, teacher, _ = _inputs()
@@ -373,6 +375,7 @@ def test_bad_depth_weights_are_rejected(weights):
         tv_loss(logits, teacher, _mask("ones"), weights)
 
 
+@pytest.mark.bad_input
 def test_shape_mismatches_are_rejected():
     logits, teacher, targets = _inputs()
     with pytest.raises(ValueError, match="mask"):

@@ -26,6 +26,7 @@ def _hold(run_dir: Path) -> subprocess.Popen:
     return p
 
 
+@pytest.mark.bad_input
 def test_a_second_command_is_refused_naming_the_holder(tmp_path):
     with run_lock(tmp_path, "mtp-train"):
         assert (tmp_path / HOLDER).is_file()
@@ -38,6 +39,7 @@ def test_a_second_command_is_refused_naming_the_holder(tmp_path):
         pass
 
 
+@pytest.mark.bad_input
 def test_the_lock_is_free_again_after_its_holder_is_killed_with_sigkill(tmp_path):
     p = _hold(tmp_path)
     try:
@@ -52,6 +54,7 @@ def test_the_lock_is_free_again_after_its_holder_is_killed_with_sigkill(tmp_path
         pass
 
 
+@pytest.mark.bad_input
 def test_the_holders_hydra_config_is_put_back_after_another_command_wrote_over_it(tmp_path, caplog):
     cfg = tmp_path / ".hydra" / "config.yaml"
     cfg.parent.mkdir()
@@ -61,6 +64,7 @@ def test_the_holders_hydra_config_is_put_back_after_another_command_wrote_over_i
     assert cfg.read_text() == "heads:\n  k: 3\n" and "restored" in caplog.text
 
 
+@pytest.mark.bad_input
 def test_mtp_train_on_a_run_directory_in_use_exits_with_one_line_and_touches_nothing(tmp_path):
     """The issue's case: a second mtp-train (another k) on the directory of a running one."""
     run = tmp_path / "run"

@@ -35,6 +35,7 @@ def _write_truncated_array(path, records, cut_last_at=40):
     return path
 
 
+@pytest.mark.bad_input
 def test_sharegpt_salvage_keeps_complete_records_and_counts_the_cut_one(tmp_path):
     path = _write_truncated_array(tmp_path / "sg.json", GOOD)
     with pytest.raises(json.JSONDecodeError):
@@ -59,6 +60,7 @@ def test_sharegpt_prompt_only_rows_are_kept_for_self_distillation(tmp_path):
     assert "c4" in ids and "no assistant turn" not in stats.dropped
 
 
+@pytest.mark.bad_input
 def test_sharegpt_malformed_middle_record_is_skipped_with_its_line(tmp_path):
     good = json.dumps(GOOD[:2], indent=2)
     broken = good.replace('"value": "Hello!"', '"value": "Hello!" "oops": 1', 1)
@@ -71,6 +73,7 @@ def test_sharegpt_malformed_middle_record_is_skipped_with_its_line(tmp_path):
     assert stats.bad_lines == [2]  # the record opens on line 2
 
 
+@pytest.mark.bad_input
 def test_sharegpt_file_with_nothing_parseable_is_an_error_naming_it(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n  {"id": "x", "conversations": [')
@@ -81,6 +84,7 @@ def test_sharegpt_file_with_nothing_parseable_is_an_error_naming_it(tmp_path):
         list(sources.read_sharegpt(path, sources.SourceStats(), False))
 
 
+@pytest.mark.bad_input
 def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
     from mtp_train.config import DataConfig
     from mtp_train.data.build import _report_source
@@ -110,6 +114,7 @@ def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
     assert "skipped 2 unparseable record(s)" in caplog.text and "line(s) 2, 5" in caplog.text
 
 
+@pytest.mark.bad_input
 def test_jsonl_where_nothing_parses_is_an_error_naming_the_file(tmp_path):
     path = tmp_path / "garbage.jsonl"
     path.write_text("nope\n{broken\n")
@@ -140,6 +145,7 @@ def test_tiny_conversations_are_deterministic():
     assert all(c["messages"][-1]["role"] == "assistant" for c in a)
 
 
+@pytest.mark.bad_input
 def test_rows_with_bytes_that_are_not_utf8_are_dropped_by_line_not_kept_with_replacement_chars(tmp_path, caplog):
     """Both file readers: the row with the bad byte is skipped, counted and its line reported;
     no U+FFFD reaches the prepared text, and the rows around it are kept."""

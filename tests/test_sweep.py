@@ -25,6 +25,7 @@ def _sweep(tmp_path, *overrides, env=None, timeout=900):
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
 
 
+@pytest.mark.bad_input
 def test_a_failing_point_does_not_stop_the_sweep_and_the_report_shows_it(tmp_path):
     r = _sweep(tmp_path, "heads.k=300,2", "loss=ce")  # the first point fails (k longer than the rows)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -42,6 +43,7 @@ def test_a_failing_point_does_not_stop_the_sweep_and_the_report_shows_it(tmp_pat
     assert r.returncode == 1 and "1 ok, 1 failed" in r.stdout
 
 
+@pytest.mark.bad_input
 def test_report_refuses_a_directory_without_points(tmp_path):
     from mtp_train.errors import MtpError
 

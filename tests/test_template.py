@@ -65,6 +65,7 @@ def test_prompt_ends_with_the_generation_header(tiny_tokenizer):
     assert tiny_tokenizer.decode(ids).endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.bad_input
 def test_a_template_that_is_not_prefix_stable_is_rejected(tiny_tokenizer):
     import copy
 
@@ -76,6 +77,7 @@ def test_a_template_that_is_not_prefix_stable_is_rejected(tiny_tokenizer):
         render_batch(tok, [CONV], 1000)
 
 
+@pytest.mark.bad_input
 def test_a_conversation_the_template_refuses_is_reported_not_fatal(tiny_tokenizer, tmp_path):
     import copy
     import json
@@ -104,6 +106,7 @@ def test_a_conversation_the_template_refuses_is_reported_not_fatal(tiny_tokenize
     assert m["counts"]["kept"] == 5
 
 
+@pytest.mark.bad_input
 def test_a_huge_row_is_cut_before_it_is_tokenized_and_gives_the_same_tokens(tiny_tokenizer, monkeypatch):
     """One 2 MB message: the tokenizer sees at most 2 x max_length x (longest token) characters,
     and the row's ids and labels equal those of tokenizing the whole text, then truncating."""
@@ -126,6 +129,7 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_and_gives_the_same_tokens(tiny
     assert len(full) > 2_000_000 and max(seen) <= 2 * 64 * template.longest_token_chars(tiny_tokenizer)
 
 
+@pytest.mark.bad_input
 def test_eval_prompts_the_template_refuses_are_an_error_naming_the_line(tiny_tokenizer, tmp_path):
     import copy
 

@@ -60,6 +60,7 @@ def test_training_changes_only_the_heads_and_saves_only_them(typed_cfg, tmp_path
     assert all(torch.equal(p, before[n]) for n, p in after.items())  # bit-identical after training
 
 
+@pytest.mark.bad_input
 def test_non_finite_loss_names_the_step_and_stops(typed_cfg, monkeypatch):
     from mtp_train.heads.medusa import MedusaHeads
 
@@ -92,6 +93,7 @@ def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp
         assert key in blob, key
 
 
+@pytest.mark.bad_input
 def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg, tmp_path, monkeypatch):
     import lightning as L
 
@@ -130,6 +132,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg,
 
 @pytest.mark.parametrize("change,key", [("heads.k=3", "k"), ("heads=medusa", "head_type"),
                                         ("backbone.tiny.hidden_size=32", "hidden_size")])
+@pytest.mark.bad_input
 def test_resuming_a_run_dir_without_a_recipe_with_other_heads_or_backbone_is_refused(typed_cfg, tmp_path,
                                                                                       change, key):
     from mtp_train.cli.train import RUN_META
@@ -315,6 +318,7 @@ def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(t
     assert cos[50] < 1.0 and cos[99] == pytest.approx(0.1, abs=0.01)
 
 
+@pytest.mark.bad_input
 def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
     from mtp_train.cli.prep import data_dirs
     from mtp_train.cli.train import ensure_tiny_data
@@ -329,6 +333,7 @@ def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
         MTPDataModule(data_dirs(cfg), 0, 4, 12, k=11).setup()
 
 
+@pytest.mark.bad_input
 def test_a_checkpoint_cut_off_while_saving_is_refused_with_the_way_out(typed_cfg, tmp_path):
     base = [*FAST, "heads=medusa", "heads.k=2", "loss=kl"]
     run_train(typed_cfg(*base))
