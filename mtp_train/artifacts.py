@@ -26,12 +26,16 @@ def config_hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 FAILED = "FAILED.txt"  # in a sweep point's run dir: why it failed (cli.common writes, sweep reads)

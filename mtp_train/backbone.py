@@ -53,21 +53,11 @@ class Backbone:
         return self.model.config
 
     def fingerprint(self) -> str:
-        """A short hash of the weights themselves, read in milliseconds: up to 1,024 evenly spaced
-        values of every tensor, rounded to bfloat16 so the dtype a backbone is loaded in does not
-        change it. Two backbones of one shape (another seed, another fine-tune) differ here; LoRA
-        adapters are left out (they are part of what trains)."""
+        """A short hash of the weights themselves (`weights_fingerprint`). `load_backbone` takes it
+        from the weight files, or from the weights as built, before any cast or LoRA adapter; a
+        Backbone made another way takes it from its weights now."""
         if self._fingerprint is None:
-            h = hashlib.sha256()
-            with torch.no_grad():
-                for name, t in sorted(self.model.state_dict().items()):
-                    if "lora_" in name or not t.is_floating_point():
-                        continue
-                    flat = t.detach().reshape(-1)
-                    sample = flat[:: max(1, flat.numel() // 1024)][:1024].to("cpu", torch.bfloat16)
-                    h.update(name.encode() + str(tuple(t.shape)).encode())
-                    h.update(sample.view(torch.int16).numpy().tobytes())
-            self._fingerprint = h.hexdigest()[:16]
+            self._fingerprint = weights_fingerprint(memory_samples(self.model))
         return self._fingerprint
 
     @property
@@ -109,23 +99,85 @@ def freeze(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
+SAMPLE_ROWS, SAMPLE_COLS = 32, 32  # per tensor: 32 evenly spaced rows x their first 32 values
+
+
+def _sample_rows(n_rows: int) -> list[int]:
+    k = min(n_rows, SAMPLE_ROWS)
+    return sorted({round(i * (n_rows - 1) / max(1, k - 1)) for i in range(k)})
+
+
+def weights_fingerprint(samples) -> str:
+    """sha256 (16 hex digits) over (name, shape, sampled values rounded to bfloat16) per tensor.
+
+    Read in milliseconds for any size: at most 1,024 values a tensor. Rounding to bfloat16 makes a
+    float32 and a bfloat16 copy of the same weights agree exactly; two backbones of one shape
+    (another seed, another fine-tune) differ."""
+    h = hashlib.sha256()
+    for name, shape, values in sorted(samples, key=lambda x: x[0]):
+        h.update(f"{name}{tuple(shape)}".encode())
+        h.update(values.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def memory_samples(model: nn.Module):
+    """(name, shape, sample) of every floating-point tensor of a model in memory (LoRA adapters,
+    which train, left out; PEFT's `.base_layer` renaming undone)."""
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "lora_" in name or not t.is_floating_point():
+                continue
+            rows = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(1, -1)
+            yield (name.replace(".base_layer", ""), tuple(t.shape),
+                   rows[_sample_rows(rows.shape[0])][:, :SAMPLE_COLS].float())
+
+
+def file_samples(model_dir: Path):
+    """The same samples read straight from the *.safetensors files (in their stored dtype, so the
+    dtype the backbone is loaded in plays no part); None when the directory has none."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    out = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if sl.get_dtype() not in ("F32", "F16", "BF16", "F64"):
+                    continue
+                if len(shape) <= 1:
+                    values = sl[: SAMPLE_COLS * SAMPLE_ROWS].reshape(1, -1)
+                else:
+                    rows = [sl[r: r + 1, :SAMPLE_COLS] if len(shape) == 2 else
+                            sl[r: r + 1].reshape(1, -1)[:, :SAMPLE_COLS] for r in _sample_rows(shape[0])]
+                    values = torch.cat(rows)
+                out.append((name, shape, values.float()))
+    return out
+
+
 def load_backbone(cfg: BackboneConfig) -> Backbone:
     """Load, freeze and (optionally) add LoRA adapters, as the config says."""
     dtype = DTYPES[cfg.dtype]
     if cfg.source == "tiny":
         model, tok = build_tiny(cfg.tiny)
+        fingerprint = weights_fingerprint(memory_samples(model))  # as built, in float32
         model = model.to(dtype)
-    elif cfg.source == "gguf":
-        model_dir = convert_gguf(cfg)
-        model, tok = _load_hf(str(model_dir), dtype)
     else:
-        model, tok = _load_hf(cfg.path, dtype)
+        model_dir = convert_gguf(cfg) if cfg.source == "gguf" else cfg.path
+        model, tok = _load_hf(str(model_dir), dtype)
+        files = file_samples(Path(model_dir)) if Path(model_dir).is_dir() else None
+        # a hub id or .bin weights: the weights as loaded (float32 and bfloat16 loads still agree)
+        fingerprint = weights_fingerprint(files if files is not None else memory_samples(model))
     freeze(model)
     if cfg.lora.enabled:
         add_lora(model, cfg.lora)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model.to(device)
-    return Backbone(model=model, tokenizer=tok, name=cfg.name, identity=backbone_identity(cfg))
+    return Backbone(model=model, tokenizer=tok, name=cfg.name, identity=backbone_identity(cfg),
+                    _fingerprint=fingerprint)
 
 
 def backbone_identity(cfg: BackboneConfig) -> dict:

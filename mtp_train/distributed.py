@@ -131,15 +131,15 @@ def validate_deepspeed_config(cfg: dict) -> None:
         raise ConfigError(f"trainer.strategy.config: DeepSpeed rejects the composed config: {e}") from e
 
 
-def _zero_file_types() -> list:
+def zero_file_types() -> list:
     """The only non-tensor, non-container types DeepSpeed's ZeRO files hold (its optimizer shards;
     checked with `torch.serialization.get_unsafe_globals_in_checkpoint` on deepspeed 0.19): plain
     data classes and an enum, which a weights-only load may rebuild without running their code."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]  # Dynamic: fp16 runs
 
 
 @contextmanager
@@ -176,7 +176,7 @@ def zero_state_dict(checkpoint: Path) -> dict:
     if (checkpoint / "checkpoint").is_dir() and not (checkpoint / "latest").is_file():
         tag = "checkpoint"  # Lightning saves under this tag without a `latest` file
     try:
-        with weights_only_loads(_zero_file_types()):
+        with weights_only_loads(zero_file_types()):
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
     except pickle.UnpicklingError as e:
         # torch's message is mostly advice (to load unsafely, or to allow-list); keep the object's name

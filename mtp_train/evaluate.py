@@ -62,7 +62,8 @@ def checked_messages(raw: list, where: str) -> list[dict]:
                             f"(known: {', '.join(sorted(set(ROLE_MAP)))})")
         if not isinstance(content, str):
             raise DataError(f"{where}: message {i} has no text content")
-        out.append({"role": role, "content": content})
+        out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": role,
+                    "content": content})  # other keys (name, tool_calls) stay for the template
     return out
 
 
@@ -81,8 +82,8 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                                f"column {e.start + 1})") from None
+                raise DataError(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x}, the "
+                                f"line's byte {e.start + 1})") from None
             if not line.strip():
                 continue
             try:

@@ -2,7 +2,7 @@
 
 `mtp-train`, `mtp-clp`, `mtp-eval` and `mtp-export-heads` write into a run directory; two of them in
 one directory interleave their checkpoints, metadata and logs. Each takes `run_lock` first: an OS file
-lock (flock), which the kernel drops when its holder exits in any way, `kill -9` included, so a
+lock (`flock`), which the kernel drops when its holder exits in any way, `kill -9` included, so a
 stale lock never needs clearing by hand. A second command is refused at once, naming the holder.
 
 Hydra writes `.hydra/*.yaml` of a refused command before the command runs, over the holder's; the
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 def is_rank_zero() -> bool:
     """Before Lightning sets ranks up: rank 0 of a torchrun/srun launch, or a single process."""
-    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "SLURM_PROCID", "LOCAL_RANK"))
+    return all(os.environ.get(v, "0") == "0"
+               for v in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
 
 
 @contextmanager
@@ -38,18 +39,26 @@ def run_lock(run_dir: Path, command: str) -> Iterator[None]:
     if not is_rank_zero():
         yield
         return
-    from filelock import FileLock, Timeout
+    import fcntl
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(run_dir / RUN_LOCK), timeout=0)
     try:
-        lock.acquire()
-    except Timeout:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise MtpError(f"{run_dir}: cannot write the run directory's lock file ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         h = read_json(run_dir / HOLDER) or {}
         raise MtpError(f"{run_dir}: run directory in use by pid {h.get('pid', '?')} ({h.get('command', '?')} "
                        f"on {h.get('host', '?')}, since {h.get('since', '?')}); wait for it to finish or "
                        "choose another directory (hydra.run.dir=...)") from None
+    except OSError as e:  # a file system without flock (some NFS / Lustre mounts)
+        os.close(fd)
+        raise MtpError(f"{run_dir}: this file system cannot lock files ({e.strerror}); put run directories "
+                       "on one that can (paths.output_dir / hydra.run.dir)") from None
     recipe: dict[Path, bytes] = {}
     try:
         write_json_atomic(run_dir / HOLDER, {"pid": os.getpid(), "command": command, "host": platform.node(),
@@ -63,4 +72,5 @@ def run_lock(run_dir: Path, command: str) -> Iterator[None]:
                 log.warning("%s: another command started here while %s ran and wrote its config over "
                             "this run's; restored", path, command)
         (run_dir / HOLDER).unlink(missing_ok=True)
-        lock.release()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

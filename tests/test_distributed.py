@@ -135,6 +135,27 @@ class _Planted:
         return (Path.touch, (self.marker,))
 
 
+def test_deepspeeds_own_records_load_under_the_weights_only_rule(tmp_path):
+    """What DeepSpeed's optimizer shards hold besides tensors (loss scalers of bf16/fp32 and fp16
+    runs, ZeRO's stage enum, fragment addresses) passes; anything else would not."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from mtp_train.distributed import weights_only_loads, zero_file_types
+
+    path = tmp_path / "optim.pt"
+    records = {"static": LossScaler(4.0), "dynamic": DynamicLossScaler(init_scale=2.0 ** 16),
+               "stage": ZeroStageEnum.gradients, "where": fragment_address(numel=4, start=8), "t": torch.ones(2)}
+    torch.save(records, path)
+    with weights_only_loads(zero_file_types()):
+        back = torch.load(path, weights_only=False)  # the caller's False is overruled, and it still loads
+    assert back["dynamic"].cur_scale == 2.0 ** 16 and back["static"].cur_scale == 4.0
+    assert back["stage"] == ZeroStageEnum.gradients and back["where"].start == 8
+    with pytest.raises(Exception, match="GLOBAL"), weights_only_loads([]):
+        torch.load(path, weights_only=False)
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize("where", ["model", "optim"])
 def test_a_planted_pickle_in_a_zero_checkpoint_is_refused_and_never_runs(tmp_path, where):

@@ -714,7 +714,7 @@ def test_report_tree_targets_and_the_shortfall_explanation():
 
 
 @pytest.mark.parametrize("content,message", [
-    (b'{"prompt": "caf\xe9 au lait"}\n', r"p.jsonl, line 2: not UTF-8 text \(byte 0xe9 at column 16\)"),
+    (b'{"prompt": "caf\xe9 au lait"}\n', r"p.jsonl, line 2: not UTF-8 text \(byte 0xe9, the line's byte 16\)"),
     (b'{"messages": [{"role": "wizard", "content": "hi"}]}\n', r"p.jsonl, line 2: message 0 has an unknown role 'wizard'"),
     (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', r"p.jsonl, line 2: message 0 has no text content"),
     (b'{"messages": []}\n', r"p.jsonl, line 2: empty messages list"),

@@ -176,8 +176,9 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
 
 @pytest.mark.bad_input
 def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, tmp_path, caplog):
-    """Another seed and another name (the issue's case), the same weights renamed, and other weights
-    under the same name: each refused naming what differs; allow_foreign_heads loads with a warning."""
+    """Another seed and another name (the issue's case) and other weights under the same name are
+    refused naming what differs; the same weights renamed only warn (old heads without a
+    fingerprint: the name decides); allow_foreign_heads loads with a warning."""
     import dataclasses
     import json
 
@@ -205,20 +206,45 @@ def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, 
         load_heads(tmp_path, other)
     with pytest.raises(ConfigError, match=r"another backbone \(weights fingerprint \w+, this one's is \w+\)"):
         load_heads(tmp_path, tiny("tiny-llama", 1))
-    with pytest.raises(ConfigError, match=r"another backbone \(named 'tiny-llama', this one is 'renamed'\)"):
+    with caplog.at_level("WARNING", logger="mtp_train"):  # the same weights renamed: a warning only
         load_heads(tmp_path, tiny("renamed", 0))
-    with caplog.at_level("WARNING", logger="mtp_train"):
+        assert "trained on these weights under the name 'tiny-llama'" in caplog.text
         heads, _ = load_heads(tmp_path, other, allow_foreign=True)
     assert heads.k == 2 and "loading them anyway" in caplog.text
+    meta = json.loads((tmp_path / "heads.json").read_text())
+    del meta["backbone"]["fingerprint"]  # heads from before fingerprints: the name decides
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"another backbone \(named 'tiny-llama', this one is 'renamed'\)"):
+        load_heads(tmp_path, tiny("renamed", 0))
 
 
-def test_the_fingerprint_does_not_depend_on_the_dtype_a_backbone_is_loaded_in(tiny_backbone):
+def test_the_fingerprint_does_not_depend_on_the_dtype_or_on_lora_adapters(tiny_backbone, tmp_path):
     import copy
 
+    from safetensors.torch import save_file
+
+    from mtp_train.backbone import file_samples, load_backbone, memory_samples, weights_fingerprint
+    from mtp_train.config import BackboneConfig, LoraConfig, TinyBackboneConfig
+
     half = copy.deepcopy(tiny_backbone)
-    half.model.to(torch.bfloat16)
+    half.model.to(torch.bfloat16)  # what a bf16 strategy does to the backbone in place
     half._fingerprint = None
     assert half.fingerprint() == tiny_backbone.fingerprint()
+    for over in ({"dtype": "bfloat16"}, {"lora": LoraConfig(enabled=True)}):
+        bb = load_backbone(BackboneConfig(name="tiny-llama", source="tiny", tiny=TinyBackboneConfig(), **over))
+        assert bb.fingerprint() == tiny_backbone.fingerprint(), over
+    # from the files: the stored dtype plays no part
+    state = {n: t.contiguous() for n, t in tiny_backbone.model.state_dict().items()}
+    prints = []
+    for dtype in (torch.float32, torch.bfloat16):
+        d = tmp_path / str(dtype)
+        d.mkdir()
+        save_file({n: t.to(dtype) for n, t in state.items()}, str(d / "model.safetensors"))
+        prints.append(weights_fingerprint(file_samples(d)))
+    assert prints[0] == prints[1] == weights_fingerprint(memory_samples(tiny_backbone.model))
+    state["model.layers.0.mlp.up_proj.weight"][0, 3] += 0.5  # one sampled weight changed: another print
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert weights_fingerprint(file_samples(tmp_path)) != prints[0]
 
 
 @pytest.mark.parametrize("init", ["copy_last", "random"])

@@ -112,10 +112,9 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_and_gives_the_same_tokens(tiny
     and the row's ids and labels equal those of tokenizing the whole text, then truncating."""
     from mtp_train.data import template
 
-    conv = [{"role": "user", "content": "tell me " + "a lot of things, " * 120_000},
-            {"role": "assistant", "content": "ok"}]
-    full = tiny_tokenizer.apply_chat_template(conv, tokenize=False)
-    want = tiny_tokenizer(full, add_special_tokens=False, truncation=True, max_length=64)["input_ids"]
+    huge = "a lot of things, " * 120_000
+    question = [{"role": "user", "content": "tell me " + huge}, {"role": "assistant", "content": "ok"}]
+    answer = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "here: " + huge}]
     seen = []
     real = type(tiny_tokenizer).__call__
 
@@ -123,10 +122,22 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_and_gives_the_same_tokens(tiny
         seen.extend(len(t) for t in texts)
         return real(self, texts, *a, **k)
 
+    want = {}
+    for name, conv in (("question", question), ("answer", answer)):
+        full = tiny_tokenizer.apply_chat_template(conv, tokenize=False)
+        assert len(full) > 2_000_000
+        want[name] = list(tiny_tokenizer(full, add_special_tokens=False, truncation=True, max_length=64)["input_ids"])
+    # the answer's labels as the whole text gives them (the route before texts were cut)
+    full = tiny_tokenizer.apply_chat_template(answer, tokenize=False)
+    enc = tiny_tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=64)
+    spans = template.assistant_char_spans(tiny_tokenizer, answer, full, enc["offset_mapping"][-1][1])
+    ref_labels = template.label_tokens(enc["offset_mapping"], enc["input_ids"], spans)
     monkeypatch.setattr(type(tiny_tokenizer), "__call__", spy)
-    ids, labels, errors = render_batch(tiny_tokenizer, [conv], 64)
-    assert ids == [list(want)] and errors == [""] and all(v == IGNORE for v in labels[0])
-    assert len(full) > 2_000_000 and max(seen) <= 2 * 64 * template.longest_token_chars(tiny_tokenizer)
+    ids, labels, errors = render_batch(tiny_tokenizer, [question, answer], 64)
+    assert ids == [want["question"], want["answer"]] and errors == ["", ""]
+    assert all(v == IGNORE for v in labels[0])  # the answer lies past the 64 tokens
+    assert labels[1] == ref_labels and any(v != IGNORE for v in labels[1])  # the huge answer starts inside
+    assert max(seen) <= 2 * 64 * template.longest_token_chars(tiny_tokenizer)
 
 
 @pytest.mark.bad_input

@@ -344,3 +344,40 @@ def test_a_checkpoint_cut_off_while_saving_is_refused_with_the_way_out(typed_cfg
         run_train(typed_cfg(*base, "trainer.max_steps=6"))
     metrics = run_train(typed_cfg(*base, "trainer.max_steps=6", "force=true"))
     assert metrics["val/sim_tau"] >= 1.0
+
+
+class _Planted:
+    """Unpickling it creates a file: stands for any code a planted checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_holding_code_is_refused_on_resume_and_never_runs(typed_cfg, tmp_path):
+    base = [*FAST, "heads=medusa", "heads.k=2", "loss=kl"]
+    run_train(typed_cfg(*base))
+    last, marker = tmp_path / "out" / "checkpoints" / "last.ckpt", tmp_path / "payload-ran"
+    ckpt = torch.load(last, map_location="cpu", weights_only=True)  # a file this test made
+    ckpt["callbacks"] = {"x": _Planted(marker)}
+    torch.save(ckpt, last)
+    with pytest.raises(MtpError, match=r"last.ckpt: refusing to resume from it: .*could run code \(it names "):
+        run_train(typed_cfg(*base, "trainer.max_steps=6"))
+    assert not marker.exists()
+
+
+def test_export_reads_the_recipe_mtp_train_wrote_under_its_lock(typed_cfg, tmp_path):
+    """Hydra's .hydra/config.yaml can be written over by a command refused on the same directory;
+    the run's own run_config.yaml cannot."""
+    from mtp_train.cli.export import load_recipe
+    from mtp_train.cli.train import RUN_CONFIG
+
+    run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=kl"))
+    run = tmp_path / "out"
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text("heads:\n  k: 3\n")  # another command's
+    assert (run / RUN_CONFIG).is_file() and load_recipe(run).heads.k == 2

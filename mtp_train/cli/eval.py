@@ -40,8 +40,9 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
         raise ConfigError(f"eval.max_new_tokens: {e.max_new_tokens} new tokens do not fit the backbone's "
                           f"context of {context} tokens with any prompt; ask for fewer")
     lazy = not e.prompts and e.prompt_source == "unseen"  # rendered one by one: stop at n_prompts
-    keep, skipped = [], 0
-    for p in prompts:
+    keep, skipped, shortest = [], 0, None
+    for p in prompts:  # (unseen prompts come one by one: the lengths are seen here only)
+        shortest = len(p) if shortest is None else min(shortest, len(p))
         if len(p) <= e.max_prompt_tokens and len(p) + e.max_new_tokens <= context:
             keep.append(p)
             if lazy and e.n_prompts and len(keep) == e.n_prompts:
@@ -52,7 +53,7 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
         log.warning("%d prompt(s) longer than eval.max_prompt_tokens=%d or the context (%d) skipped",
                     skipped, e.max_prompt_tokens, context)
     if not keep:
-        shortest = min((len(p) for p in prompts), default=0)
+        shortest = shortest or 0
         if shortest <= e.max_prompt_tokens:  # the context, not the prompt cap, ruled them all out
             raise ConfigError(f"eval.max_new_tokens: the shortest prompt ({shortest} tokens) + "
                               f"{e.max_new_tokens} new tokens exceed the backbone's context of {context}")

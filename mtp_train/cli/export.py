@@ -38,12 +38,17 @@ def checkpoint_state(path: Path) -> dict:
 
 
 def load_recipe(run_dir: Path):
-    """The typed config a run was started with (Hydra saved it as <run>/.hydra/config.yaml)."""
+    """The typed config a run was started with: <run>/run_config.yaml, which mtp-train writes under
+    the run directory's lock (runs from before it: Hydra's <run>/.hydra/config.yaml, which a command
+    refused on the same directory may have written over)."""
     from omegaconf import OmegaConf
 
+    from mtp_train.cli.train import RUN_CONFIG
     from mtp_train.config import Config, validate
 
-    recipe = Path(run_dir) / ".hydra" / "config.yaml"
+    recipe = Path(run_dir) / RUN_CONFIG
+    if not recipe.is_file():
+        recipe = Path(run_dir) / ".hydra" / "config.yaml"
     if not recipe.is_file():
         raise MtpError(f"{recipe}: missing; export needs the config the run was started with")
     raw = OmegaConf.load(recipe)

@@ -12,9 +12,12 @@ it exists. Lightning checkpoints hold only the heads and optimizer state, never 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -90,6 +93,7 @@ def make_loggers(cfg) -> list:
 
 
 RUN_META = "run_meta.json"
+RUN_CONFIG = "run_config.yaml"  # the resolved config of the run, written under the run lock
 SUPERSEDED = "superseded"
 
 
@@ -165,6 +169,25 @@ def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: 
         write_json_atomic(run_dir / RUN_META, meta)
 
 
+@contextlib.contextmanager
+def resume_loads_weights_only(last: Path | None):
+    """Resuming never unpickles code: Lightning is asked for a weights-only load of a checkpoint
+    file (where its version has the switch), and a ZeRO directory is read with every torch.load
+    forced weights-only, DeepSpeed's own record types allowed (`distributed.weights_only_loads`)."""
+    import inspect
+
+    import lightning as L
+
+    extra = {"weights_only": True} if "weights_only" in inspect.signature(L.Trainer.fit).parameters else {}
+    if last is None or not last.is_dir():
+        yield extra
+        return
+    from mtp_train.distributed import weights_only_loads, zero_file_types
+
+    with weights_only_loads(zero_file_types()):
+        yield extra
+
+
 def check_readable(last: Path, run_dir: Path) -> None:
     """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
     Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed."""
@@ -174,6 +197,11 @@ def check_readable(last: Path, run_dir: Path) -> None:
         return
     try:
         torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:  # intact, but holds objects a weights-only load refuses
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        raise MtpError(f"{last}: refusing to resume from it: it holds more than tensors and plain values, "
+                       f"and loading it could run code (it names {found.group(1) if found else '?'}); "
+                       "force=true trains afresh") from None
     except Exception as e:  # torch reports a damaged archive as several error types
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise MtpError(f"{last}: cannot be read ({type(e).__name__}: {first}); it was probably cut off while "
@@ -335,10 +363,15 @@ def _run_train(cfg: Config) -> dict:
     resuming = last.exists()
     check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero,
                          recipe=recipe)
+    if trainer.is_global_zero:  # what export reads: no other command writes it (the lock)
+        from mtp_train.artifacts import write_text_atomic
+
+        write_text_atomic(run_dir / RUN_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if resuming:
         check_readable(last, run_dir)
         log.info("resuming from %s", last)
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None)
+    with resume_loads_weights_only(last if resuming else None) as extra:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     with gathered(heads, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics

@@ -27,7 +27,6 @@ from mtp_train.artifacts import (
     temp_dir_for,
     write_json_atomic,
 )
-
 from mtp_train.errors import MtpError
 
 log = logging.getLogger(__name__)

@@ -214,11 +214,9 @@ def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterat
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data.path: {path} does not exist")
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for lineno, line in enumerate(f, start=1):
+            if NOT_UTF8.search(line):
                 stats.drop(NOT_UTF8_REASON, lineno)
                 continue
             if not line.strip():

@@ -12,6 +12,8 @@ fast tokenizer's offsets, on one tokenisation of the whole text (no boundary eff
 
 from __future__ import annotations
 
+import weakref
+
 from mtp_train.errors import DataError
 
 IGNORE = -100
@@ -54,16 +56,15 @@ def label_tokens(offsets: list[tuple[int, int]], ids: list[int], spans: list[tup
     return labels
 
 
-_LONGEST: dict[int, int] = {}
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def longest_token_chars(tokenizer) -> int:
     """The most characters one token of `tokenizer` stands for (vocabulary strings, byte-level
     markers included, bound it from above)."""
-    key = id(tokenizer)
-    if key not in _LONGEST:
-        _LONGEST[key] = max(map(len, tokenizer.get_vocab()), default=1)
-    return _LONGEST[key]
+    if tokenizer not in _LONGEST:
+        _LONGEST[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return _LONGEST[tokenizer]
 
 
 def render_batch(tokenizer, conversations: list[list[dict]], max_length: int):
@@ -86,8 +87,7 @@ def render_batch(tokenizer, conversations: list[list[dict]], max_length: int):
     # the first max_length tokens cover at most max_length x (longest token) characters: cut the
     # text (with a 2x margin) before tokenizing, so one huge row does not tokenize in full to be cut
     budget = 2 * max_length * longest_token_chars(tokenizer)
-    texts = [t[:budget] for t in texts]
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+    enc = tokenizer([t[:budget] for t in texts], add_special_tokens=False, return_offsets_mapping=True,
                     truncation=True, max_length=max_length)
     input_ids, labels = [], []
     for msgs, text, ids, offsets, err in zip(conversations, texts, enc["input_ids"],

@@ -70,7 +70,14 @@ def heads_config_from(meta: dict, meta_file: Path) -> HeadsConfig:
 
 
 def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreign: bool) -> None:
-    """Heads drafted for one backbone's hidden states are wrong for another of the same shape."""
+    """Heads drafted for one backbone's hidden states are wrong for another of the same shape. The
+    weights decide; the name (a free label) decides alone only for heads saved before fingerprints."""
+    log = logging.getLogger("mtp_train")
+    if recorded.get("fingerprint") is not None and recorded["fingerprint"] == backbone.fingerprint():
+        if recorded.get("name") not in (None, backbone.name):
+            log.warning("%s: heads were trained on these weights under the name %r (this backbone is "
+                        "named %r)", meta_file, recorded["name"], backbone.name)
+        return
     problems = []
     if recorded.get("name") not in (None, backbone.name):
         problems.append(f"named {recorded['name']!r}, this one is {backbone.name!r}")
@@ -82,7 +89,7 @@ def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreig
     if not allow_foreign:
         raise ConfigError(f"{what}; use the backbone they were trained on, or set "
                           "backbone.allow_foreign_heads=true to load them anyway")
-    logging.getLogger("mtp_train").warning("%s; loading them anyway (backbone.allow_foreign_heads=true)", what)
+    log.warning("%s; loading them anyway (backbone.allow_foreign_heads=true)", what)
 
 
 def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple[nn.Module, dict]:
