@@ -127,9 +127,12 @@ def memory_samples(model: nn.Module):
         for name, t in model.state_dict().items():
             if "lora_" in name or not t.is_floating_point():
                 continue
-            rows = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(1, -1)
-            yield (name.replace(".base_layer", ""), tuple(t.shape),
-                   rows[_sample_rows(rows.shape[0])][:, :SAMPLE_COLS].float())
+            if t.dim() <= 1:  # vectors: their first values (as file_samples reads them)
+                values = t.detach().reshape(1, -1)[:, : SAMPLE_ROWS * SAMPLE_COLS]
+            else:
+                rows = t.detach().reshape(t.shape[0], -1)
+                values = rows[_sample_rows(rows.shape[0])][:, :SAMPLE_COLS]
+            yield name.replace(".base_layer", ""), tuple(t.shape), values.float()
 
 
 def file_samples(model_dir: Path):

@@ -27,7 +27,7 @@ from mtp_train.lit.data import RankSlice, ResumableSampler
 BIN = Path(sys.executable).parent
 TINY = ["backbone=tiny", "logger=csv", "trainer.max_steps=10", "trainer.val_check_interval=5",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "heads.k=2",
-        "loss=kl"]
+        "loss=kl", "data.val_fraction=0.05"]  # the split the DDP tolerance below was measured on
 
 
 # --- data split by rank --------------------------------------------------------------------------
@@ -145,7 +145,8 @@ def test_deepspeeds_own_records_load_under_the_weights_only_rule(tmp_path):
     from mtp_train.distributed import weights_only_loads, zero_file_types
 
     path = tmp_path / "optim.pt"
-    records = {"static": LossScaler(4.0), "dynamic": DynamicLossScaler(init_scale=2.0 ** 16),
+    records = {"static": LossScaler(4.0), "dynamic": DynamicLossScaler(init_scale=2.0 ** 16, scale_window=1000, min_scale=1,
+                                                                delayed_shift=2, consecutive_hysteresis=False),
                "stage": ZeroStageEnum.gradients, "where": fragment_address(numel=4, start=8), "t": torch.ones(2)}
     torch.save(records, path)
     with weights_only_loads(zero_file_types()):
