@@ -163,6 +163,13 @@ def weights_only_loads(allowed: list):
             torch.load = original
 
 
+def refused_object(error: Exception) -> str:
+    """The object a weights-only load refused, out of torch's message (mostly advice to load
+    unsafely or to allow-list); '?' when it names none."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return found.group(1) if found else "?"
+
+
 def zero_state_dict(checkpoint: Path) -> dict:
     """The fp32 state dict of a ZeRO checkpoint directory (Lightning's `last.ckpt/` layout or a
     DeepSpeed save dir), gathered from every rank's shards by DeepSpeed's own consolidation, with
@@ -179,9 +186,7 @@ def zero_state_dict(checkpoint: Path) -> dict:
         with weights_only_loads(zero_file_types()):
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
     except pickle.UnpicklingError as e:
-        # torch's message is mostly advice (to load unsafely, or to allow-list); keep the object's name
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"it names {found.group(1)}" if found else type(e).__name__
+        what = f"it names {refused_object(e)}"
         raise MtpError(f"{checkpoint}: refusing to load this ZeRO checkpoint: a file in it holds more than "
                        f"tensors and DeepSpeed's own records, and loading it could run code ({what})") from e
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:

@@ -17,7 +17,6 @@ import json
 import os
 import pickle
 import platform
-import re
 import time
 from pathlib import Path
 
@@ -198,9 +197,10 @@ def check_readable(last: Path, run_dir: Path) -> None:
     try:
         torch.load(last, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:  # intact, but holds objects a weights-only load refuses
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        from mtp_train.distributed import refused_object
+
         raise MtpError(f"{last}: refusing to resume from it: it holds more than tensors and plain values, "
-                       f"and loading it could run code (it names {found.group(1) if found else '?'}); "
+                       f"and loading it could run code (it names {refused_object(e)}); "
                        "force=true trains afresh") from None
     except Exception as e:  # torch reports a damaged archive as several error types
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
