@@ -116,6 +116,9 @@ class HeadsConfig:
     # chained: each module's block starts as a copy of the backbone's last layer (copy_last) or from
     # the architecture's own random init (random: the block then starts close to identity)
     init: str = "random"
+    # chained: one module (projection, norms, block) applied at every depth instead of one per depth
+    # (EAGLE's single draft layer): 1/k of the parameters, each trained by every depth's targets
+    share: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.type, HEAD_TYPES, "heads.type")
@@ -130,6 +133,8 @@ class HeadsConfig:
                f"must be >= 2 or null (the whole vocabulary), got {self.draft_vocab}")
         _check(not (self.type == "chained" and self.lm_head == "copy"), "heads.lm_head",
                "chained MTP modules share the backbone's LM head; lm_head=copy is for medusa")
+        _check(not (self.share and self.type != "chained"), "heads.share",
+               "shares one chained module across depths; Medusa heads read the same input at every depth")
 
 
 @dataclass

@@ -41,9 +41,9 @@ def _prompts(n, seed=0, vocab=259):
             for _ in range(n)]
 
 
-def _random_heads(bb, typ, draft_ids=None, seed=0):
+def _random_heads(bb, typ, draft_ids=None, seed=0, share=False):
     torch.manual_seed(seed)
-    heads = build_heads(HeadsConfig(type=typ, k=K), bb, draft_ids=draft_ids)
+    heads = build_heads(HeadsConfig(type=typ, k=K, share=share), bb, draft_ids=draft_ids)
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -96,12 +96,14 @@ def test_verify_is_identical_to_greedy_with_random_heads(tiny_backbone, typ, dra
         assert v.cache_length == len(prompt) + 23
 
 
-def test_chained_drafts_equal_the_teacher_forced_heads(tiny_backbone):
+@pytest.mark.parametrize("share", [False, True])
+def test_chained_drafts_equal_the_teacher_forced_heads(tiny_backbone, share):
     """Module caches stay exact: each step's drafts are what the training-time forward predicts on
     the final sequence, wherever the drafts before them were accepted: for a chain and for a tree
-    (node (r_1..r_j) under an accepted path is head j's r_j-th candidate, teacher-forced)."""
+    (node (r_1..r_j) under an accepted path is head j's r_j-th candidate, teacher-forced). With one
+    module shared by every depth, each depth still keeps a cache of its own."""
     bb = tiny_backbone
-    heads = _random_heads(bb, "chained", seed=4)
+    heads = _random_heads(bb, "chained", seed=4, share=share)
     dec = Decoder(bb, heads, eos_ids=[])
     shape = TreeShape.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)])
     checked = 0

@@ -74,6 +74,38 @@ def test_chained_module_j_reads_token_t_plus_j_and_is_causal(tiny_backbone):
         assert diff[p - j] > 0, j  # position p - j reads x_p at depth j
 
 
+def test_shared_chained_module_is_one_module_applied_at_every_depth(tiny_backbone, typed_cfg, tmp_path):
+    """heads.share: 1/k of the parameters, and the forward equals a slow loop that feeds depth j's
+    output and the token j + 1 ahead to the same module."""
+    from mtp_train.heads import load_heads
+
+    bb = tiny_backbone
+    torch.manual_seed(0)
+    shared = build_heads(HeadsConfig(type="chained", k=3, share=True), bb)
+    separate = build_heads(HeadsConfig(type="chained", k=3), bb)
+    assert 3 * count_parameters(shared)["trainable"] == count_parameters(separate)["trainable"]
+    with torch.no_grad():
+        for p in shared.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = _ids(bb, B=2, T=9)
+    with torch.no_grad():
+        h = bb.hidden_states(ids)
+        out = shared(h, ids, bb.embed_tokens)  # (B, T, k, d)
+        emb = bb.embed_tokens(ids)
+        prev = h
+        for j in range(1, 4):
+            ahead = torch.cat([emb[:, j:], torch.zeros_like(emb[:, :j])], 1)
+            x = shared.proj[0](torch.cat([shared.norm_emb[0](ahead), shared.norm_hidden[0](prev)], -1))
+            prev = shared.blocks[0](inputs_embeds=x).last_hidden_state
+            torch.testing.assert_close(out[:, :, j - 1], prev)
+    # the setting travels with the heads: heads.json rebuilds the shared layout
+    from mtp_train.cli.train import save_heads
+
+    save_heads(tmp_path, shared, bb, typed_cfg("heads=chained", "heads.k=3", "heads.share=true"), metrics={})
+    again, meta = load_heads(tmp_path, bb)
+    assert again.share and meta["heads"]["share"] is True and len(again.blocks) == 1
+
+
 def test_chained_copy_last_starts_from_the_backbones_last_layer(tiny_backbone):
     heads = build_heads(HeadsConfig(type="chained", k=2, init="copy_last"), tiny_backbone)
     last = tiny_backbone.model.base_model.layers[-1].state_dict()

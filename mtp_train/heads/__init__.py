@@ -36,7 +36,7 @@ def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = Non
         return MedusaHeads(backbone.hidden_size, backbone.vocab_size, cfg.k, cfg.num_layers, copy,
                            draft_ids=draft_ids)
     init_from = backbone.model.base_model if cfg.init == "copy_last" else None
-    return ChainedMTP(backbone.config, cfg.k, init_from=init_from, draft_ids=draft_ids)
+    return ChainedMTP(backbone.config, cfg.k, init_from=init_from, draft_ids=draft_ids, share=cfg.share)
 
 
 def count_parameters(module: nn.Module) -> dict:

@@ -19,6 +19,10 @@ distribution" and learns from there. `heads.init=copy_last` copies the backbone'
 norm instead; that layer expects the un-normalised residual stream, not the final (normed) state it
 gets here, and on SmolLM2 it started far worse and stayed behind: val sim_tau 1.14 vs 1.32 after 80
 steps of the demo recipe (README, "Results").
+
+`heads.share=true` applies module 1's weights at every depth (EAGLE's one draft layer): h^j plays
+the part of the backbone's state one position on, so one module learns from all k depths' targets
+with 1/k of the parameters. Each depth still attends over its own states (its own KV cache).
 """
 
 from __future__ import annotations
@@ -60,20 +64,21 @@ def one_layer_model(backbone_config, init_from: nn.Module | None = None) -> nn.M
 
 class ChainedMTP(DraftVocab):
     def __init__(self, backbone_config, k: int, init_from: nn.Module | None = None,
-                 draft_ids: torch.Tensor | None = None):
+                 draft_ids: torch.Tensor | None = None, share: bool = False):
         super().__init__()
         d = backbone_config.hidden_size
-        self.k, self.hidden_size = k, d
+        self.k, self.hidden_size, self.share = k, d, share
         self._init_draft(backbone_config.vocab_size, draft_ids)
         eps = getattr(backbone_config, "rms_norm_eps", 1e-6)
-        self.norm_emb = nn.ModuleList(RMSNorm(d, eps) for _ in range(k))
-        self.norm_hidden = nn.ModuleList(RMSNorm(d, eps) for _ in range(k))
-        self.proj = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in range(k))
+        n = 1 if share else k  # shared: module 1's weights serve every depth (each depth keeps its own cache)
+        self.norm_emb = nn.ModuleList(RMSNorm(d, eps) for _ in range(n))
+        self.norm_hidden = nn.ModuleList(RMSNorm(d, eps) for _ in range(n))
+        self.proj = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in range(n))
         with torch.no_grad():
             for p in self.proj:
                 p.weight.zero_()
                 p.weight[:, d:].copy_(torch.eye(d))  # [0 | I]: start from the hidden state
-        self.blocks = nn.ModuleList(one_layer_model(backbone_config, init_from) for _ in range(k))
+        self.blocks = nn.ModuleList(one_layer_model(backbone_config, init_from) for _ in range(n))
         self.lm_heads = None
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
@@ -99,8 +104,9 @@ class ChainedMTP(DraftVocab):
         """Module j (1..k) on (B, n, d) previous-depth states and embeddings of the tokens j ahead ->
         (B, n, d). With a transformers `cache` holding the module's earlier positions (decoding), the
         n positions continue after them; tree drafting passes a 4D mask and explicit positions."""
-        x = self.proj[j - 1](torch.cat([self.norm_emb[j - 1](token_emb), self.norm_hidden[j - 1](prev)], -1))
-        out = self.blocks[j - 1](inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+        i = 0 if self.share else j - 1
+        x = self.proj[i](torch.cat([self.norm_emb[i](token_emb), self.norm_hidden[i](prev)], -1))
+        out = self.blocks[i](inputs_embeds=x, attention_mask=attention_mask, cache=cache,
                                  use_cache=cache is not None, position_ids=position_ids)
         return out.last_hidden_state
 
