@@ -1,4 +1,4 @@
-"""Span-length predictors (CLP, Xie & Zhou 2026; ALGORITHMS.md, "CLP"): how many head drafts to
+"""Span-length predictors (CLP, Xie & Zhou 2026; docs/algorithms.md, "CLP"): how many head drafts to
 commit after the backbone's own token, decided from the backbone's state without verification.
 
     clp   one linear layer: features -> k + 1 classes (m = 0..k drafts accepted). On the hidden state

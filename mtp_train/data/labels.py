@@ -1,4 +1,4 @@
-"""CLP acceptance labels, made by the framework itself (ALGORITHMS.md, "CLP").
+"""CLP acceptance labels, made by the framework itself (docs/algorithms.md, "CLP").
 
 Prompts are decoded greedily with the backbone and the trained heads in verify mode, so the output is
 the backbone's own text; at every step that drafted all k heads the row records the backbone's final
