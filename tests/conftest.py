@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -42,3 +43,20 @@ def tiny_tokenizer():
     from mtp_train.backbone import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
+
+
+class _Payload:
+    """Unpickling it creates a file: stands for any code a planted pickle would run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """(an object to plant in a checkpoint, the file that exists only if loading it ran code)."""
+    marker = tmp_path / "payload-ran"
+    return _Payload(marker), marker

@@ -125,16 +125,6 @@ def test_deepspeed_config_refusals():
                                    "train_micro_batch_size_per_gpu": 2})
 
 
-class _Planted:
-    """A pickle that, when unpickled, creates a file: stands for any code a planted checkpoint runs."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
 def test_deepspeeds_own_records_load_under_the_weights_only_rule(tmp_path):
     """What DeepSpeed's optimizer shards hold besides tensors (loss scalers of bf16/fp32 and fp16
     runs, ZeRO's stage enum, fragment addresses) passes; anything else would not."""
@@ -159,19 +149,19 @@ def test_deepspeeds_own_records_load_under_the_weights_only_rule(tmp_path):
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("where", ["model", "optim"])
-def test_a_planted_pickle_in_a_zero_checkpoint_is_refused_and_never_runs(tmp_path, where):
+def test_a_planted_pickle_in_a_zero_checkpoint_is_refused_and_never_runs(tmp_path, where, planted):
     """The layout DeepSpeed reads (`latest` naming a tag, per-rank files under it) with a payload in
     one file: export refuses it with the object's name, and the payload never runs."""
     from mtp_train.cli.export import checkpoint_state
     from mtp_train.errors import MtpError
 
-    ckpt, marker = tmp_path / "last.ckpt", tmp_path / "payload-ran"
+    ckpt, (payload, marker) = tmp_path / "last.ckpt", planted
     (ckpt / "tag").mkdir(parents=True)
     (ckpt / "latest").write_text("tag")
     model = {"module": {"w": torch.zeros(2)}, "buffer_names": [], "param_shapes": [{"w": torch.Size([2])}],
              "shared_params": {}, "ds_version": "0.19"}
     optim = {"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1}}
-    (model if where == "model" else optim)["extra"] = _Planted(marker)
+    (model if where == "model" else optim)["extra"] = payload
     torch.save(model, ckpt / "tag" / "mp_rank_00_model_states.pt")
     torch.save(optim, ckpt / "tag" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(MtpError, match=r"last\.ckpt: refusing to load .*could run code \(it names \w+"):

@@ -256,6 +256,118 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
                           "stage=fit"))
 
 
+class _Killed(Exception):
+    pass
+
+
+def _deterministic_calibration(meta: dict) -> list:
+    """What a calibration measured apart from wall time: per tau, accepted length, repetition, NLL."""
+    cal = meta["calibration"]
+    keep = ("accepted_length", "repetition_ratio", "backbone_nll")
+    return [[round(r[k], 9) for k in keep] for r in [cal["greedy"], *cal["taus"]]]
+
+
+@pytest.mark.bad_input
+def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained_heads, monkeypatch):
+    """A kill in labelling (after one shard), fitting (after the first predictor) or calibration
+    (after the first predictor) leaves nothing half-written; the rerun redoes only what is missing and
+    ends where an uninterrupted run ends."""
+    import mtp_train.clp as clp_mod
+    import mtp_train.data.labels as labels_mod
+    from mtp_train.cli.clp import run_clp
+
+    root = trained_heads
+    args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=2", "clp.max_new_tokens=12",
+            "clp.epochs=2", "clp.calib_prompts=2", "clp.taus=[0.9,0.5]", "eval.max_new_tokens=10",
+            f"clp.heads={root}/train"]
+    run_clp(_eval_cfg(root, *args, f"paths.output_dir={root}/clp_straight"))
+
+    def dies_on_call(n, real):
+        calls = []
+
+        def wrapped(*a, **k):
+            calls.append(1)
+            if len(calls) == n:
+                raise _Killed
+            return real(*a, **k)
+        return wrapped
+
+    def counting(real, calls):
+        def wrapped(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
+        return wrapped
+
+    cases = {"label": (labels_mod, "publish_dir", 2), "fit": (clp_mod, "save_predictor", 2),
+             "calibrate": (clp_mod, "sweep_tau", 2)}
+    for stage, (module, name, n) in cases.items():
+        out = root / f"clp_killed_in_{stage}"
+        with monkeypatch.context() as m:
+            m.setattr(module, name, dies_on_call(n, getattr(module, name)))
+            with pytest.raises(_Killed):
+                run_clp(_eval_cfg(root, *args, f"paths.output_dir={out}"))
+        if stage == "label":
+            assert not (out / "labels").exists()  # one of three shards done, kept for the rerun
+            finished = [p.name for p in (out / "labels.shards").iterdir() if p.is_dir() and ".tmp-" not in p.name]
+            assert finished == ["00000"]
+        elif stage == "fit":
+            assert (out / "clp" / "clp.safetensors").is_file() and not (out / "gate").exists()
+        else:
+            assert "calibration" in json.loads((out / "clp" / "clp.json").read_text())
+            assert "calibration" not in json.loads((out / "gate" / "clp.json").read_text())
+        decodes, published = [], []
+        with monkeypatch.context() as m:
+            m.setattr(clp_mod, "sweep_tau", counting(clp_mod.sweep_tau, decodes))
+            m.setattr(labels_mod, "publish_dir", counting(labels_mod.publish_dir, published))
+            again = run_clp(_eval_cfg(root, *args, f"paths.output_dir={out}"))
+        if stage == "label":  # the two missing shards, then the labels dataset
+            assert len(published) == 3
+        if stage == "calibrate":  # the first predictor's calibration was finished: only the gate's runs
+            assert again["calibrate"]["clp"]["skipped"] and not again["calibrate"]["gate"]["skipped"]
+            assert len(decodes) == 1
+        if stage == "fit":
+            assert again["fit"]["clp"]["skipped"] and not again["fit"]["gate"].get("skipped")
+        for kind in ("clp", "gate"):
+            a = (root / "clp_straight" / kind / "clp.safetensors").read_bytes()
+            assert (out / kind / "clp.safetensors").read_bytes() == a, (stage, kind)
+            ma = json.loads((root / "clp_straight" / kind / "clp.json").read_text())
+            mb = json.loads((out / kind / "clp.json").read_text())
+            assert mb["fit"] == ma["fit"] and mb["label_histogram"] == ma["label_histogram"], (stage, kind)
+            assert _deterministic_calibration(mb) == _deterministic_calibration(ma), (stage, kind)
+        assert not (out / "labels.shards").exists()
+        assert not [p for p in out.rglob("*") if ".tmp-" in p.name or ".old-" in p.name], stage
+
+
+@pytest.mark.bad_input
+def test_mtp_eval_killed_while_decoding_writes_no_report_and_the_rerun_decodes_the_same(trained_heads,
+                                                                                        monkeypatch):
+    from mtp_train.decoding import Decoder
+
+    root = trained_heads
+    args = ["eval.modes=[greedy,verify]", "eval.rounds=1"]
+    straight = run_eval(_eval_cfg(root, *args, f"paths.output_dir={root}/eval_straight"))
+    out = root / "eval_killed"
+    real, calls = Decoder.generate, []
+
+    def dying(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise _Killed
+        return real(self, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(Decoder, "generate", dying)
+        with pytest.raises(_Killed):
+            run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
+    assert not (out / "eval_report.json").exists() and not (out / "outputs.json").exists()
+    again = run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
+    assert json.loads((out / "outputs.json").read_text()) == json.loads(
+        (root / "eval_straight" / "outputs.json").read_text())
+    for mode in ("greedy", "verify"):
+        for key in ("tau", "alpha", "identical_to_greedy", "new_tokens", "backbone_nll"):
+            assert again["modes"][mode][key] == straight["modes"][mode][key], (mode, key)
+
+
 def _check_pipeline_report(root, report):
     """mtp-report over train/, clp/ and eval/ of the run above: every section with its figures."""
     from mtp_train.report import write_report
@@ -378,6 +490,23 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
     for r in (0, len(ds) - 1):  # a label's hidden state is a position of that split's row
         h = np.asarray(cache.row(split, first + int(ds["prompt"][r])), dtype=np.float32)
         assert np.abs(h - ds["hidden"][r]).sum(-1).min() < 1e-4
+    # tau is calibrated on prompts whose answers the predictor was not fitted on
+    from mtp_train.cli.clp import calibration_prompts, held_out_by_fit
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.targets import IGNORE
+
+    def prompt_of(row):
+        return tuple(row["input_ids"][: next(i for i, v in enumerate(row["labels"]) if v != IGNORE)])
+
+    calib = calibration_prompts(dataclasses.replace(cfg, clp=dataclasses.replace(cfg.clp, calib_prompts=50)),
+                                load_backbone(cfg.backbone), m)
+    if split == "validation":  # the prompts of the rows the fit held out (their labels), in order
+        held = [p for p in range(m["n_prompts"]) if held_out_by_fit(p, cfg.clp.val_fraction)]
+        assert 0 < len(held) < m["n_prompts"]
+        assert [tuple(c) for c in calib] == [prompt_of(rows[first + p]) for p in held]
+    else:
+        assert calib == held_out_prompts(labelled_dir(cfg))[:50]
 
 
 def test_report_targets_say_met_only_when_every_condition_holds():

@@ -346,24 +346,12 @@ def test_a_checkpoint_cut_off_while_saving_is_refused_with_the_way_out(typed_cfg
     assert metrics["val/sim_tau"] >= 1.0
 
 
-class _Planted:
-    """Unpickling it creates a file: stands for any code a planted checkpoint would run."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        from pathlib import Path
-
-        return (Path.touch, (self.marker,))
-
-
-def test_a_checkpoint_holding_code_is_refused_on_resume_and_never_runs(typed_cfg, tmp_path):
+def test_a_checkpoint_holding_code_is_refused_on_resume_and_never_runs(typed_cfg, tmp_path, planted):
     base = [*FAST, "heads=medusa", "heads.k=2", "loss=kl"]
     run_train(typed_cfg(*base))
-    last, marker = tmp_path / "out" / "checkpoints" / "last.ckpt", tmp_path / "payload-ran"
+    last, (payload, marker) = tmp_path / "out" / "checkpoints" / "last.ckpt", planted
     ckpt = torch.load(last, map_location="cpu", weights_only=True)  # a file this test made
-    ckpt["callbacks"] = {"x": _Planted(marker)}
+    ckpt["callbacks"] = {"x": payload}
     torch.save(ckpt, last)
     with pytest.raises(MtpError, match=r"last.ckpt: refusing to resume from it: .*could run code \(it names "):
         run_train(typed_cfg(*base, "trainer.max_steps=6"))

@@ -90,6 +90,41 @@ def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                        identity)
 
 
+def held_out_by_fit(prompt, val_fraction: float):
+    """Which labels (by their prompt index) the predictor's fit holds out: whole prompts, not steps
+    (steps of one answer correlate), every round(1 / val_fraction)-th prompt from the first."""
+    return (prompt % max(2, round(1 / val_fraction))) == 0
+
+
+def calibration_prompts(cfg: Config, backbone, labels_manifest: dict) -> list[list[int]]:
+    """The prompts tau is calibrated on, none of whose answers the predictor was fitted on.
+
+    Labels made from the cache's self-distilled validation rows: the prompts of the rows the fit held
+    out. Otherwise (labels from the training split, by decoding or from the cache): the prepared
+    validation prompts."""
+    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.targets import IGNORE
+
+    n = cfg.clp.calib_prompts
+    if labels_manifest.get("source") == "cache" and labels_manifest.get("split") == "validation":
+        found = distilled_cache(cfg, backbone, "validation")
+        if found is not None:
+            rows, _, first = found
+            out = []
+            for p in range(len(rows) - first):
+                if held_out_by_fit(p, cfg.clp.val_fraction):
+                    ids, labels = rows[first + p]["input_ids"], rows[first + p]["labels"]
+                    start = next((i for i, v in enumerate(labels) if v != IGNORE), None)
+                    if start:
+                        out.append(list(ids[:start]))
+            if len(out) < n:
+                log.warning("calibrating on %d prompts (clp.calib_prompts=%d): only %d labelled "
+                            "validation rows were held out of the fit", len(out), n, len(out))
+            return out[:n]
+    return held_out_prompts(labelled_dir(cfg))[:n]
+
+
 def fit_key(cfg: Config, kind: str, labels_manifest: dict) -> str:
     """What a fitted predictor depends on: its labels (their manifest's hash) and fit settings."""
     from mtp_train.artifacts import config_hash
@@ -140,8 +175,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
                           "`mtp-clp stage=label` for clp.heads")
     hidden, probs, labels, prompt = read_labels(labels_dir, heads.k, backbone.hidden_size)
     n_prompts = int(prompt.max()) + 1
-    val_every = max(2, round(1 / cfg.clp.val_fraction))
-    is_val = (prompt % val_every) == 0  # held out by prompt, not by step: steps of one answer correlate
+    is_val = held_out_by_fit(prompt, cfg.clp.val_fraction)
     if is_val.all() or not is_val.any():
         raise MtpError(f"{labels_dir}: {n_prompts} labelled prompts are too few to hold out a validation set")
     weights = class_weights(labels[~is_val], heads.k)
@@ -182,13 +216,14 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
 
 
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
-    from mtp_train.artifacts import write_json_atomic
-    from mtp_train.cli.prep import labelled_dir
+    from mtp_train.artifacts import read_manifest, write_json_atomic
     from mtp_train.clp import CLP_META, load_predictor, measure_decode, pick_tau, sweep_tau
-    from mtp_train.evaluate import held_out_prompts
 
     e = cfg.eval
-    prompts = held_out_prompts(labelled_dir(cfg))[: cfg.clp.calib_prompts]
+    prompts = calibration_prompts(cfg, backbone, read_manifest(out / "labels") or {})
+    if not prompts:
+        raise MtpError(f"{out / 'labels'}: no prompt to calibrate on (none of the labelled rows was held "
+                       "out of the fit); raise clp.val_fraction or distil more validation prompts")
     results, todo = {}, []
     for kind in cfg.clp.kinds:
         pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)

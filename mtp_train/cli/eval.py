@@ -230,12 +230,13 @@ def _run_eval(cfg: Config) -> dict:
     report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
                   prompt_source="file" if cfg.eval.prompts else cfg.eval.prompt_source,
                   max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))
-    path = save_report(report, out_dir)
     tok = backbone.tokenizer
     rows = [{"prompt": tok.decode(p), **{m: tok.decode(o[i]) for m, o in outputs.items()}}
             for i, p in enumerate(prompts)]
     write_json_atomic(out_dir / "outputs.json", rows)
     plots = write_plots(report, out_dir)
+    # the report goes last: a rerun takes it as the mark of a finished evaluation
+    path = save_report(report, out_dir)
     print_table(report)
     _to_wandb(cfg, report, plots)
     log.info("report: %s", path)
