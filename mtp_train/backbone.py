@@ -163,6 +163,9 @@ def file_samples(model_dir: Path):
 
 def load_backbone(cfg: BackboneConfig) -> Backbone:
     """Load, freeze and (optionally) add LoRA adapters, as the config says."""
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BackboneError(f"backbone.device: {cfg.device} asked, but this torch sees no CUDA GPU "
+                            f"(torch {torch.__version__}); use backbone.device=auto or cpu")
     dtype = DTYPES[cfg.dtype]
     if cfg.source == "tiny":
         model, tok = build_tiny(cfg.tiny)

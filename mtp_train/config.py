@@ -33,6 +33,10 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def _check_seed(value: int, key: str) -> None:
+    _check(0 <= value < 2**32, key, f"must be in [0, 2**32) (numpy and torch seed ranges), got {value}")
+
+
 def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
     _check(value in choices, key, f"unknown value {value!r}; choose one of {', '.join(choices)}")
 
@@ -175,6 +179,7 @@ class LossConfig:
         if self.depth_weights is not None:
             _check(all(w >= 0 for w in self.depth_weights), "loss.depth_weights",
                    "weights must be >= 0")
+            _check(sum(self.depth_weights) > 0, "loss.depth_weights", "all zero: no depth would train")
 
     def name_at(self, step: int, max_steps: int) -> str:
         """The loss in force at optimizer step `step` of `max_steps`."""
@@ -211,6 +216,7 @@ class DistillConfig:
         _check(self.temperature > 0, "data.distill.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
         _choice(self.autocast, ("auto", *DTYPES), "data.distill.autocast")
+        _check_seed(self.seed, "data.distill.seed")
 
 
 @dataclass
@@ -230,6 +236,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice(self.source, DATA_SOURCES, "data.source")
+        _check_seed(self.seed, "data.seed")
         if self.source in ("jsonl", "disk"):
             _check(bool(self.path), "data.path", f"required when data.source={self.source}")
         _check(self.max_length > 0, "data.max_length", f"must be > 0, got {self.max_length}")
@@ -262,6 +269,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")
+        _check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
         _check(self.batch_size > 0, "train.batch_size", "must be > 0")
         _check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
@@ -313,6 +321,8 @@ class ClpConfig:
         _choice(self.label_split, ("validation", "train"), "clp.label_split")
         for kind in self.kinds:
             _choice(kind, ("clp", "gate"), "clp.kinds")
+        _check(len(self.kinds) > 0 and len(set(self.kinds)) == len(self.kinds), "clp.kinds",
+               f"name each predictor kind once, at least one (clp, gate), got {list(self.kinds)}")
         _check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")
         _check(self.max_new_tokens > 1, "clp.max_new_tokens", "must be > 1")
         _check(self.shard_prompts > 0, "clp.shard_prompts", "must be > 0")
@@ -408,6 +418,7 @@ class Config:
     logger: dict[str, Any] | None = None  # name -> instantiable logger config
 
     def __post_init__(self) -> None:
+        _check_seed(self.seed, "seed")
         w = self.loss.depth_weights
         _check(w is None or len(w) == self.heads.k, "loss.depth_weights",
                f"needs one weight per head (heads.k={self.heads.k}), got {None if w is None else len(w)}")

@@ -43,6 +43,14 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
         gpus = torch.cuda.device_count()
     cpus = cpus or os.cpu_count() or 1
     steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs")
+    for key in ("max_steps", "max_epochs", "val_check_interval", "check_val_every_n_epoch"):
+        value = trainer.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"trainer.{key}: {value!r} is not a number")
+    vci = trainer.get("val_check_interval")
+    if vci is not None and vci <= 0:
+        raise ConfigError(f"trainer.val_check_interval: {vci}; give a positive number of steps (or a "
+                          "fraction of an epoch)")
     if steps is not None and (steps == 0 or steps < -1):
         raise ConfigError(f"trainer.max_steps: {steps} trains nothing (and would write untrained heads); "
                           "give a positive number, or -1 to let trainer.max_epochs decide")

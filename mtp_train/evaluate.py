@@ -64,6 +64,8 @@ def checked_messages(raw: list, where: str) -> list[dict]:
             raise DataError(f"{where}: message {i} has no text content")
         out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": role,
                     "content": content})  # other keys (name, tool_calls) stay for the template
+    if not any(m["role"] == "user" for m in out):
+        raise DataError(f"{where}: no user message (the data stage drops such rows too)")
     return out
 
 
@@ -74,6 +76,8 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     from mtp_train.data.template import render_prompt
 
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"eval.prompts: {path} is a directory; expected a JSONL file of prompts")
     if not path.is_file():
         raise DataError(f"eval.prompts: {path} does not exist")
     out = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,15 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("eval.rounds=0", "eval.rounds"),
     ("eval.prompt_source=train", "eval.prompt_source"),
     ("eval.prompt_source=unseen eval.prompts=p.jsonl", "eval.prompt_source"),
+    # the second bad-input round
+    ("seed=100000000000000", "seed"),
+    ("data.seed=-1", "data.seed"),
+    ("data.distill.seed=-3", "data.distill.seed"),
+    ("train.num_workers=-1", "train.num_workers"),
+    ("loss.depth_weights=[0,0,0]", "loss.depth_weights"),
+    ("clp.kinds=[]", "clp.kinds"),
+    ("clp.kinds=[clp,clp]", "clp.kinds"),
+    ("heads=medusa heads.share=true", "heads.share"),
 ])
 @pytest.mark.bad_input
 def test_bad_values_are_rejected_naming_the_key(typed_cfg, override, key):
@@ -165,3 +175,60 @@ def test_slurm_launcher_composes():
                       return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.timeout_min > 0
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("val_check_interval", 0, "trainer.val_check_interval: 0; give a positive"),
+    ("max_steps", "ten", "trainer.max_steps: 'ten' is not a number"),
+    ("max_epochs", True, "trainer.max_epochs: True is not a number"),
+])
+@pytest.mark.bad_input
+def test_trainer_settings_of_the_wrong_kind_are_refused_naming_the_key(key, value, message):
+    from mtp_train.distributed import check_trainer
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_trainer({"max_steps": 6, key: value}, gpus=0, cpus=2)
+
+
+@pytest.mark.bad_input
+def test_a_cuda_device_without_cuda_is_refused_naming_the_key(monkeypatch):
+    import torch
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.config import BackboneConfig
+    from mtp_train.errors import BackboneError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackboneError, match="backbone.device: cuda asked, but this torch sees no CUDA GPU"):
+        load_backbone(BackboneConfig(name="t", source="tiny", device="cuda"))
+
+
+@pytest.mark.bad_input
+def test_sigterm_exits_143_with_a_line_saying_how_to_resume(compose_cfg, capsys):
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from mtp_train.cli.common import entry
+
+    def task(cfg, typed):
+        raise SIGTERMException  # what Lightning raises when the process gets SIGTERM
+
+    with pytest.raises(SystemExit) as exit_:
+        entry(task)(compose_cfg("backbone=tiny"))
+    assert exit_.value.code == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.bad_input
+def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
+    import errno
+
+    from mtp_train.cli.common import entry
+
+    def task(cfg, typed):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/heads.safetensors.tmp")
+
+    with pytest.raises(SystemExit) as exit_:
+        entry(task)(compose_cfg("backbone=tiny"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: /data/run/heads.safetensors.tmp: No space left on device")

@@ -254,6 +254,13 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     with pytest.raises(MtpError, match="another heads checkpoint"):
         run_clp(_eval_cfg(root, *clp_args[:-1], f"clp.heads={other}", f"paths.output_dir={root}/clp",
                           "stage=fit"))
+    # and a predictor fitted for other heads is neither recalibrated nor used with these
+    with pytest.raises(MtpError, match=r"clp: fitted on the labels of other heads than clp.heads="):
+        run_clp(_eval_cfg(root, *clp_args[:-1], "clp.taus=[0.7]", f"clp.heads={other}",
+                          f"paths.output_dir={root}/clp", "stage=calibrate"))
+    with pytest.raises(MtpError, match=r"^eval.clp: .* was fitted on the acceptance of other heads"):
+        run_eval(_eval_cfg(root, "eval.modes=[greedy,clp]", f"eval.heads={other}", f"eval.clp={root}/clp/clp",
+                           f"paths.output_dir={root}/eval_other"))
 
 
 class _Killed(Exception):
@@ -847,6 +854,7 @@ def test_report_tree_targets_and_the_shortfall_explanation():
     (b'{"messages": [{"role": "wizard", "content": "hi"}]}\n', r"p.jsonl, line 2: message 0 has an unknown role 'wizard'"),
     (b'{"messages": [{"role": "user", "content": ["x"]}]}\n', r"p.jsonl, line 2: message 0 has no text content"),
     (b'{"messages": []}\n', r"p.jsonl, line 2: empty messages list"),
+    (b'{"messages": [{"role": "assistant", "content": "hello"}]}\n', r"p.jsonl, line 2: no user message"),
 ])
 @pytest.mark.bad_input
 def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_path, content, message):
@@ -868,14 +876,21 @@ def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_
     (["eval.max_new_tokens=500"], r"^eval.max_new_tokens: the shortest prompt \(\d+ tokens\) \+ 500 new tokens "
                                   r"exceed the backbone's context of 512"),
     (["eval.max_prompt_tokens=5"], r"^eval.max_prompt_tokens: every prompt is longer than 5 tokens"),
+    (["eval.max_new_tokens=1", "eval.max_prompt_tokens=4096", "LONG"],
+     r"^eval.prompts: every prompt of eval.prompts=.* is as long as the backbone's context of 512 tokens"),
+    (["eval.max_new_tokens=1", "DIR"], r"eval.prompts: .* is a directory; expected a JSONL file of prompts"),
 ])
 @pytest.mark.bad_input
 def test_when_no_prompt_fits_the_message_blames_the_setting_that_excluded_them(tiny_backbone, tmp_path,
                                                                               over, message):
     from mtp_train.cli.eval import select_prompts
-    from mtp_train.errors import ConfigError
+    from mtp_train.errors import ConfigError, DataError
 
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "short one"}\n{"prompt": "a little longer one"}\n')
-    with pytest.raises(ConfigError, match=message):
+    f.write_text('{"prompt": "count ' + "count " * 600 + '"}\n' if "LONG" in over else
+                 '{"prompt": "short one"}\n{"prompt": "a little longer one"}\n')
+    if "DIR" in over:
+        f = tmp_path
+    over = [o for o in over if o not in ("LONG", "DIR")]
+    with pytest.raises((ConfigError, DataError), match=message):
         select_prompts(_eval_cfg(tmp_path, f"eval.prompts={f}", *over), tiny_backbone)

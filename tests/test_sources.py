@@ -122,6 +122,20 @@ def test_jsonl_where_nothing_parses_is_an_error_naming_the_file(tmp_path):
         list(sources.read_jsonl(path, sources.SourceStats(), False))
     with pytest.raises(DataError, match="does not exist"):
         list(sources.read_jsonl(tmp_path / "missing.jsonl", sources.SourceStats(), False))
+    with pytest.raises(DataError, match=r"data.path: .* is a directory; data.source=jsonl reads one JSONL file"):
+        list(sources.read_jsonl(tmp_path, sources.SourceStats(), False))
+
+
+@pytest.mark.bad_input
+def test_an_answer_that_is_not_text_drops_the_row_instead_of_keeping_its_prompt(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "What is 1 plus 1?", "response": 2}, {"prompt": "Name a colour.", "completion": ["red"]},
+        {"prompt": "Say hi.", "response": "hi"}]) + "\n")
+    stats = sources.SourceStats()
+    convs = list(sources.read_jsonl(path, stats, keep_prompt_only=True))
+    assert [c["messages"][-1]["content"] for c in convs] == ["hi"]
+    assert stats.dropped['"response"/"completion" is not text'] == 2 and stats.bad_lines == [1, 2]
 
 
 def test_disk_dataset_source(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -327,7 +328,11 @@ def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
 
     cfg = typed_cfg(*FAST)
     ensure_tiny_data(cfg)
-    MTPDataModule(data_dirs(cfg), 0, 4, 12, k=10).setup()  # 12 tokens hold one target at depth 10
+    from mtp_train.errors import DataError
+
+    # 12 tokens are long enough for depth 10, but cropped there the rows are all prompt
+    with pytest.raises(DataError, match=r"the training rows hold no answer token to learn from"):
+        MTPDataModule(data_dirs(cfg), 0, 4, 12, k=10).setup()
     with pytest.raises(ConfigError, match=r"^heads.k: 11 heads need rows of at least 13 tokens; the longest "
                                           r"training row has 12 \(rows cropped to 12\)"):
         MTPDataModule(data_dirs(cfg), 0, 4, 12, k=11).setup()
@@ -369,3 +374,68 @@ def test_export_reads_the_recipe_mtp_train_wrote_under_its_lock(typed_cfg, tmp_p
     (run / ".hydra").mkdir()
     (run / ".hydra" / "config.yaml").write_text("heads:\n  k: 3\n")  # another command's
     assert (run / RUN_CONFIG).is_file() and load_recipe(run).heads.k == 2
+
+
+@pytest.mark.bad_input
+def test_export_refuses_a_deeper_checkpoint_and_drops_another_runs_figures(typed_cfg, tmp_path):
+    """A k=4 checkpoint exported into a k=3 run is refused (it used to keep depths 1-3 silently); a
+    checkpoint from elsewhere keeps none of the run's own validation figures or tree statistics."""
+    import shutil
+
+    from mtp_train.cli.export import export_heads
+    from mtp_train.trees import TREE_STATS
+
+    run_train(typed_cfg(*FAST, "heads.k=3", f"paths.output_dir={tmp_path}/k3"))
+    run_train(typed_cfg(*FAST, "heads.k=4", f"paths.output_dir={tmp_path}/k4"))
+    with pytest.raises(MtpError, match=r"does not match heads=chained k=3 of .*run_config.yaml .*not in these "
+                                       r"heads \['blocks.3"):
+        export_heads(tmp_path / "k3", tmp_path / "k4" / "checkpoints" / "last.ckpt")
+    shutil.copytree(tmp_path / "k3", tmp_path / "k3b")
+    export_heads(tmp_path / "k3b", tmp_path / "k3" / "checkpoints" / "last.ckpt")  # not k3b's own
+    meta = json.loads((tmp_path / "k3b" / "heads.json").read_text())
+    assert set(meta["metrics"]) == {"exported_from"} and not (tmp_path / "k3b" / TREE_STATS).exists()
+    export_heads(tmp_path / "k3")  # its own last.ckpt: its figures stay
+    assert "val/sim_tau" in json.loads((tmp_path / "k3" / "heads.json").read_text())["metrics"]
+
+
+@pytest.mark.bad_input
+def test_resuming_past_a_shorter_max_steps_is_refused(typed_cfg, tmp_path):
+    run_train(typed_cfg(*FAST, "trainer.max_steps=6", "trainer.val_check_interval=3"))
+    (tmp_path / "out" / "heads.json").unlink()  # so the run is resumed, not skipped as finished
+    with pytest.raises(MtpError, match=r"^trainer.max_steps: .*last.ckpt is already at step 6, past the 4 "
+                                       r"asked for; force=true trains 4 steps afresh"):
+        run_train(typed_cfg(*FAST, "trainer.max_steps=4", "trainer.val_check_interval=2"))
+
+
+@pytest.mark.bad_input
+def test_training_refuses_data_prepared_from_another_source(typed_cfg, tmp_path):
+    from mtp_train.cli.prep import run_prep
+    from mtp_train.errors import DataError
+
+    rows = [{"messages": [{"role": "user", "content": f"Count to {i}."},
+                          {"role": "assistant", "content": " ".join(map(str, range(1, i + 3)))}]} for i in range(30)]
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = ["data=jsonl", "data.name=mine", f"data.path={good}", "data.max_length=128",
+            "data.distill.max_new_tokens=16", "train.data_use=labelled"]
+    run_prep(dataclasses.replace(typed_cfg(*FAST, *data), stage="data"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(good.read_text().replace("Count", "Recount"))
+    with pytest.raises(DataError, match=r"labelled is missing or was built with other data settings; run "
+                                        r"`mtp-prep stage=data`"):
+        run_train(typed_cfg(*FAST, *[d if not d.startswith("data.path") else f"data.path={other}" for d in data]))
+    assert not (tmp_path / "out" / "heads.safetensors").exists()
+
+
+@pytest.mark.bad_input
+def test_prompt_only_rows_are_refused_instead_of_training_nothing(typed_cfg, tmp_path):
+    from mtp_train.cli.prep import run_prep
+    from mtp_train.errors import DataError
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": f"Count to {i}."}) for i in range(30)) + "\n")
+    data = ["data=jsonl", "data.name=p", f"data.path={src}", "data.max_length=128", "train.data_use=labelled"]
+    run_prep(dataclasses.replace(typed_cfg(*FAST, *data), stage="data"))
+    with pytest.raises(DataError, match=r"the training rows hold no answer token to learn from"):
+        run_train(typed_cfg(*FAST, *data))
+    assert not (tmp_path / "out" / "heads.safetensors").exists()

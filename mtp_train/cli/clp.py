@@ -216,7 +216,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
 
 
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
-    from mtp_train.artifacts import read_manifest, write_json_atomic
+    from mtp_train.artifacts import file_sha256, read_manifest, write_json_atomic
     from mtp_train.clp import CLP_META, load_predictor, measure_decode, pick_tau, sweep_tau
 
     e = cfg.eval
@@ -225,8 +225,12 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
         raise MtpError(f"{out / 'labels'}: no prompt to calibrate on (none of the labelled rows was held "
                        "out of the fit); raise clp.val_fraction or distil more validation prompts")
     results, todo = {}, []
+    heads_hash = file_sha256(Path(cfg.clp.heads) / "heads.safetensors")
     for kind in cfg.clp.kinds:
         pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
+        if meta.get("heads_sha256") != heads_hash:
+            raise ConfigError(f"{out / kind}: fitted on the labels of other heads than clp.heads="
+                              f"{cfg.clp.heads}; rerun `mtp-clp stage=all` (label and fit) for these heads")
         key = calibration_key(cfg, meta, prompts)
         if not cfg.force and meta.get("calibration_hash") == key:
             log.info("%s: calibrated for this predictor and these settings already (tau %.2f); skipping",

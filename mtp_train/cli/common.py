@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -21,6 +22,10 @@ register_configs()
 # never let W&B or the hub block a run on a prompt or a network call on these machines
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# out of space, file too large, no permission, read-only file system, not a directory
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EDQUOT}
 
 
 def _in_multirun() -> bool:
@@ -68,11 +73,22 @@ def entry(task):
                 _failure_file().unlink(missing_ok=True)
             typed = validate(cfg)
             return task(cfg, typed)
+        except SystemExit as e:
+            # Lightning turns SIGTERM into a SystemExit without a code, which would exit 0
+            if type(e).__name__ != "SIGTERMException":
+                raise
+            print("error: stopped by SIGTERM; what was saved is kept (the last checkpoint or finished "
+                  "shards): rerun the same command to resume", file=sys.stderr)
+            raise SystemExit(143) from None
         except Exception as e:
             if _in_multirun():
                 return _record_failure(e)
             if isinstance(e, MtpError):
                 print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+            if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+                print(f"error: {e.filename or 'a file'}: {e.strerror}; nothing unfinished was published "
+                      "(free space or fix permissions, then rerun: finished stages are kept)", file=sys.stderr)
                 raise SystemExit(2) from None
             raise
 

@@ -54,6 +54,11 @@ def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
                     skipped, e.max_prompt_tokens, context)
     if not keep:
         shortest = shortest or 0
+        where = f"eval.prompts={e.prompts}" if e.prompts else f"the {e.prompt_source} prompts"
+        if shortest >= context:  # the prompts alone fill the context: no token budget helps
+            raise ConfigError(f"{'eval.prompts' if e.prompts else 'eval.prompt_source'}: every prompt of "
+                              f"{where} is as long as the backbone's context of {context} tokens or longer "
+                              f"(the shortest has {shortest}); use shorter prompts")
         if shortest <= e.max_prompt_tokens:  # the context, not the prompt cap, ruled them all out
             raise ConfigError(f"eval.max_new_tokens: the shortest prompt ({shortest} tokens) + "
                               f"{e.max_new_tokens} new tokens exceed the backbone's context of {context}")
@@ -86,13 +91,19 @@ def unseen_prompts(cfg: Config, tokenizer):
 
 def load_span_policies(cfg: Config, backbone, heads) -> dict:
     """mode -> SpanPolicy for clp, clp+verify (eval.clp) and gate (eval.gate), at their calibrated tau."""
+    from mtp_train.artifacts import file_sha256
     from mtp_train.clp import SpanPolicy, count_parameters, load_predictor
+    from mtp_train.heads import HEADS_FILE
 
     out = {}
     for mode, path in (("clp", cfg.eval.clp), ("clp+verify", cfg.eval.clp), ("gate", cfg.eval.gate)):
         if mode not in cfg.eval.modes:
             continue
         pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
+        key = "eval.gate" if mode == "gate" else "eval.clp"
+        if meta.get("heads_sha256") not in (None, file_sha256(Path(cfg.eval.heads) / HEADS_FILE)):
+            raise ConfigError(f"{key}: {path} was fitted on the acceptance of other heads than eval.heads="
+                              f"{cfg.eval.heads}; fit one for these heads (`mtp-clp clp.heads={cfg.eval.heads}`)")
         tau = meta["tau"]
         if cfg.eval.span_tau is not None:
             tau = cfg.eval.span_tau

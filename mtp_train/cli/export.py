@@ -12,6 +12,7 @@ Lightning checkpoint file (DDP, one process) works too. The recipe comes from `<
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -30,8 +31,18 @@ def checkpoint_state(path: Path) -> dict:
         raise MtpError(f"{path}: no checkpoint here")
     try:  # tensors and plain containers only: never unpickle arbitrary objects
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise MtpError(f"{path}: cannot read this checkpoint ({e})") from e
+    except pickle.UnpicklingError as e:  # a pickle that names objects: refused, never loaded unsafely
+        from mtp_train.distributed import refused_object
+
+        if (name := refused_object(e)) != "?":
+            raise MtpError(f"{path}: refusing to load it: it holds more than tensors and plain values, and "
+                           f"loading it could run code (it names {name})") from None
+        raise MtpError(f"{path}: not a readable checkpoint (not a torch archive)") from None
+    except Exception as e:  # not a torch archive, or a damaged one (torch uses several error types)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise MtpError(f"{path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+    if not isinstance(ckpt, dict):
+        raise MtpError(f"{path}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a dict)")
     if "state_dict" not in ckpt:
         raise MtpError(f"{path}: not a Lightning checkpoint (no state_dict)")
     return ckpt["state_dict"]
@@ -79,7 +90,9 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     from mtp_train.heads import build_heads, heads_state_dict
 
     run_dir = Path(run_dir)
-    recipe = run_dir / ".hydra" / "config.yaml"
+    from mtp_train.cli.train import RUN_CONFIG
+
+    recipe = run_dir / RUN_CONFIG if (run_dir / RUN_CONFIG).is_file() else run_dir / ".hydra" / "config.yaml"
     cfg = load_recipe(run_dir)
     checkpoint = Path(checkpoint) if checkpoint else run_dir / "checkpoints" / "last.ckpt"
     state = heads_from_module_state(checkpoint_state(checkpoint))
@@ -90,18 +103,28 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids.long() if draft_ids is not None else None)
     wanted = heads_state_dict(heads)
     missing = sorted(set(wanted) - set(state))
+    extra = sorted(set(state) - set(wanted) - {"draft_ids"})
     bad = [n for n in wanted if n in state and tuple(state[n].shape) != tuple(wanted[n].shape)]
-    if missing or bad:
+    if missing or extra or bad:
         raise MtpError(f"{checkpoint}: does not match heads={cfg.heads.type} k={cfg.heads.k} of "
-                       f"{recipe} (missing {missing[:3]}, other shapes {bad[:3]})")
+                       f"{recipe} (missing {missing[:3]}, not in these heads {extra[:3]}, other shapes "
+                       f"{bad[:3]})")
     with torch.no_grad():
         for name, t in heads.state_dict().items():
             if name in wanted:
                 t.copy_(state[name].to(t.dtype))
     from mtp_train.artifacts import read_json
 
-    old = (read_json(run_dir / "heads.json") or {}).get("metrics") or {}
+    own = checkpoint.resolve() == (run_dir / "checkpoints" / "last.ckpt").resolve()
+    old = (read_json(run_dir / "heads.json") or {}).get("metrics") or {} if own else {}
     metrics = {**{k: v for k, v in old.items() if k != "exported_from"}, "exported_from": str(checkpoint)}
+    if not own:  # the run's validation figures and tree statistics describe its own last weights
+        from mtp_train.trees import TREE_STATS
+
+        if (run_dir / TREE_STATS).exists():
+            (run_dir / TREE_STATS).unlink()
+            log.warning("%s: removed %s (it described the run's own weights); run mtp-train on the run "
+                        "directory to record it for these", run_dir, TREE_STATS)
     path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics)
     log.info("heads written to %s", path)
     return path

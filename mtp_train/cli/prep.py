@@ -132,6 +132,20 @@ def _check_labelled_is_current(cfg: Config, tokenizer) -> None:
                         "run `mtp-prep stage=data` (or stage=all) with the same overrides first")
 
 
+def check_prepared_is_current(cfg: Config, tokenizer) -> None:
+    """The datasets mtp-train reads were prepared from this config's data settings: the labelled
+    dataset's hash matches them and the distilled one was made from that labelled dataset."""
+    from mtp_train.artifacts import read_manifest
+    from mtp_train.errors import DataError
+
+    _check_labelled_is_current(cfg, tokenizer)
+    if distilled_dir(cfg) in data_dirs(cfg):
+        m, source = read_manifest(distilled_dir(cfg)), read_manifest(labelled_dir(cfg))
+        if m is None or m.get("source_hash") != source.get("config_hash"):
+            raise DataError(f"{distilled_dir(cfg)} is missing or was distilled from other data than "
+                            f"{labelled_dir(cfg)}; run `mtp-prep stage=all` with the same overrides first")
+
+
 def _stage_cache(cfg: Config) -> dict:
     from mtp_train.backbone import load_backbone
     from mtp_train.data.cache import build_cache, reusable_states

@@ -187,15 +187,16 @@ def resume_loads_weights_only(last: Path | None):
         yield extra
 
 
-def check_readable(last: Path, run_dir: Path) -> None:
+def check_readable(last: Path, run_dir: Path) -> int | None:
     """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
-    Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed."""
+    Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed. Returns the
+    checkpoint's global step (None for a ZeRO directory)."""
     import torch
 
     if not last.is_file():
-        return
+        return None
     try:
-        torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:  # intact, but holds objects a weights-only load refuses
         from mtp_train.distributed import refused_object
 
@@ -207,6 +208,8 @@ def check_readable(last: Path, run_dir: Path) -> None:
         raise MtpError(f"{last}: cannot be read ({type(e).__name__}: {first}); it was probably cut off while "
                        f"being saved. Rerun with force=true to train afresh (what {run_dir} holds now moves "
                        f"to {run_dir / SUPERSEDED})") from None
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    return int(step) if isinstance(step, int) else None
 
 
 def close_loggers(loggers: list) -> None:
@@ -331,6 +334,9 @@ def _run_train(cfg: Config) -> dict:
             log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir,
                         "force=true" if cfg.force else "the recipe changed", where)
     backbone = load_backbone(cfg.backbone)
+    from mtp_train.cli.prep import check_prepared_is_current
+
+    check_prepared_is_current(cfg, backbone.tokenizer)  # not rows prepared from other data settings
     max_length = cfg.train.max_length or cfg.data.max_length
     if cfg.heads.k >= max_length - 1:
         raise ConfigError(f"heads.k: {cfg.heads.k} leaves no target in rows of {max_length} tokens")
@@ -363,13 +369,18 @@ def _run_train(cfg: Config) -> dict:
     resuming = last.exists()
     check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero,
                          recipe=recipe)
+    if resuming:
+        step = check_readable(last, run_dir)
+        max_steps = cfg.trainer.get("max_steps") or -1
+        if step is not None and max_steps > 0 and step > max_steps:
+            raise ConfigError(f"trainer.max_steps: {last} is already at step {step}, past the {max_steps} "
+                              f"asked for; force=true trains {max_steps} steps afresh (the longer run moves "
+                              "to superseded/)")
+        log.info("resuming from %s", last)
     if trainer.is_global_zero:  # what export reads: no other command writes it (the lock)
         from mtp_train.artifacts import write_text_atomic
 
         write_text_atomic(run_dir / RUN_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    if resuming:
-        check_readable(last, run_dir)
-        log.info("resuming from %s", last)
     with resume_loads_weights_only(last if resuming else None) as extra:
         trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}

@@ -191,6 +191,8 @@ def row_to_messages(row: dict) -> list | None:
     if isinstance(row.get("prompt"), str):
         msgs = [{"role": "user", "content": row["prompt"]}]
         answer = row.get("response", row.get("completion"))
+        if answer is not None and not isinstance(answer, str):
+            return None  # an answer that is not text: the row is dropped, not kept prompt-only
         if isinstance(answer, str):
             msgs.append({"role": "assistant", "content": answer})
         return msgs
@@ -202,7 +204,9 @@ def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
     """One user row (JSONL line or dataset row) -> a normalised conversation, or None (counted)."""
     raw = row_to_messages(row) if isinstance(row, dict) else None
     if raw is None:
-        stats.drop('row without "prompt" or "messages"', line)
+        answer = row.get("response", row.get("completion")) if isinstance(row, dict) else None
+        stats.drop('"response"/"completion" is not text' if answer is not None and isinstance(row.get("prompt"), str)
+                   else 'row without "prompt" or "messages"', line)
         return None
     msgs = normalize_messages(raw, stats, keep_prompt_only)
     if msgs is None:
@@ -212,6 +216,9 @@ def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
 
 def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data.path: {path} is a directory; data.source=jsonl reads one JSONL file "
+                        "(data.source=disk reads a dataset saved with save_to_disk)")
     if not path.is_file():
         raise DataError(f"data.path: {path} does not exist")
     with open(path, encoding="utf-8", errors="surrogateescape") as f:

@@ -169,6 +169,11 @@ class MTPDataModule(L.LightningDataModule):
                         raise ConfigError(
                             f"heads.k: {self.k} heads need rows of at least {self.k + 2} tokens; the longest "
                             f"{split} row has {longest} (rows cropped to {self.max_length}); lower heads.k")
+            for split, rows in (("training", splits["train"].select(keep)), ("validation", splits["validation"])):
+                if not any(any(v != IGNORE for v in lab[: self.max_length]) for lab in rows["labels"]):
+                    raise DataError(f"{', '.join(map(str, self.dirs))}: the {split} rows hold no answer token "
+                                    "to learn from (prompt-only rows?); add assistant turns, or train on "
+                                    "self-distilled answers (train.data_use=distilled)")
             if self.cache is not None:
                 splits = {s: CachedRows(d, self.cache, s) for s, d in splits.items()}
             if len(keep) < len(splits["train"]):  # by index: the cache is indexed by the full split
