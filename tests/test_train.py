@@ -439,3 +439,18 @@ def test_prompt_only_rows_are_refused_instead_of_training_nothing(typed_cfg, tmp
     with pytest.raises(DataError, match=r"the training rows hold no answer token to learn from"):
         run_train(typed_cfg(*FAST, *data))
     assert not (tmp_path / "out" / "heads.safetensors").exists()
+
+
+def test_a_key_added_later_at_its_default_keeps_older_runs_recipe(typed_cfg):
+    """heads.share arrived after runs were trained: at its default the recipe hashes as it did
+    before the key existed (those runs are not trained again); set, it is another recipe."""
+    from omegaconf import OmegaConf
+
+    from mtp_train.cli.train import recipe_keys
+
+    cfg = typed_cfg(*FAST)
+    heads = OmegaConf.to_container(OmegaConf.structured(cfg.heads))
+    assert heads.pop("share") is False
+    before = dataclasses.replace(cfg, heads=OmegaConf.create(heads))  # the heads section without the key
+    assert recipe_keys(cfg)[0] == recipe_keys(before)[0]
+    assert recipe_keys(typed_cfg(*FAST, "heads.share=true"))[0] != recipe_keys(before)[0]

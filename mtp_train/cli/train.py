@@ -96,6 +96,11 @@ RUN_CONFIG = "run_config.yaml"  # the resolved config of the run, written under 
 SUPERSEDED = "superseded"
 
 
+# keys added to a section after runs were trained without them: hashed only away from these defaults,
+# so a run directory from before keeps its recipe (and is not trained again)
+LATER_KEYS = {"heads": {"share": False}}
+
+
 def recipe_keys(cfg: Config) -> tuple[str, str]:
     """(recipe, finished) hashes of a training run, computed without loading anything.
 
@@ -109,10 +114,11 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
 
     structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
     train = {k: v for k, v in structured(cfg.train).items() if k not in ("num_workers", "use_cache")}
+    heads = {k: v for k, v in structured(cfg.heads).items() if LATER_KEYS["heads"].get(k, ...) != v}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
     recipe = config_hash({"backbone": backbone_identity(cfg.backbone), "data": data,
                           "max_length": cfg.train.max_length or cfg.data.max_length,
-                          "heads": structured(cfg.heads), "loss": structured(cfg.loss), "train": train,
+                          "heads": heads, "loss": structured(cfg.loss), "train": train,
                           "seed": cfg.seed})
     t = cfg.trainer
     finished = config_hash({"recipe": recipe, "max_steps": t.get("max_steps"),
