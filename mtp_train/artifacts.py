@@ -58,10 +58,27 @@ def is_up_to_date(directory: Path, wanted_hash: str) -> bool:
     return m is not None and m.get("config_hash") == wanted_hash
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def temp_dir_for(final: Path) -> Path:
+    """<final>.tmp-<pid>, empty; the unfinished temporaries of processes that died (a kill, a full
+    disk) beside it are removed, those of live ones (a concurrent writer) are left alone."""
     final = Path(final)
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    if final.parent.is_dir():
+        for old in final.parent.glob(final.name + ".tmp-*"):
+            pid = old.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     return tmp
 

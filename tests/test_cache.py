@@ -171,3 +171,35 @@ def test_distilled_states_are_reused_and_equal_a_fresh_forward(typed_cfg, tmp_pa
     # states made in another dtype or by another backbone are not reused
     assert cache_mod.reusable_states(data_dirs(cfg), backbone.identity, "bfloat16") is None
     assert cache_mod.reusable_states(data_dirs(cfg), {"name": "other"}, compute) is None
+
+
+@pytest.mark.bad_input
+def test_a_killed_data_stage_publishes_nothing_and_the_rerun_gives_the_same_rows(typed_cfg, monkeypatch):
+    """Killed between writing and publishing, the data stage leaves no dataset (only its temporary,
+    which the next run removes once its process is gone) and the rerun builds the same rows."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    import mtp_train.data.build as build_mod
+    from mtp_train.cli.prep import labelled_dir
+
+    cfg = dataclasses.replace(typed_cfg(*FAST), stage="data")
+    run_prep(cfg)
+    out = labelled_dir(cfg)
+    straight = load_from_disk(str(out))["train"]["input_ids"]
+    shutil.rmtree(out)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(build_mod, "publish_dir", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_prep(cfg)
+    monkeypatch.undo()
+    assert not out.exists()
+    (tmp,) = out.parent.glob(out.name + ".tmp-*")
+    tmp.rename(out.parent / (out.name + ".tmp-999999999"))  # as left by a process that is gone
+    run_prep(cfg)
+    assert load_from_disk(str(out))["train"]["input_ids"] == straight
+    assert not list(out.parent.glob(out.name + ".tmp-*"))
