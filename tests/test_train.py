@@ -454,3 +454,27 @@ def test_a_key_added_later_at_its_default_keeps_older_runs_recipe(typed_cfg):
     before = dataclasses.replace(cfg, heads=OmegaConf.create(heads))  # the heads section without the key
     assert recipe_keys(cfg)[0] == recipe_keys(before)[0]
     assert recipe_keys(typed_cfg(*FAST, "heads.share=true"))[0] != recipe_keys(before)[0]
+
+
+@pytest.mark.bad_input
+def test_export_killed_while_writing_keeps_the_previous_heads_and_the_rerun_writes_them(typed_cfg, tmp_path,
+                                                                                        monkeypatch):
+    import safetensors.torch as st
+
+    from mtp_train.cli.export import export_heads
+
+    run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=kl"))
+    run = tmp_path / "out"
+    before = (run / "heads.safetensors").read_bytes()
+
+    def dying_save(state, path, *a, **k):
+        open(path, "wb").write(b"half a file")  # the kill lands mid-write
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(st, "save_file", dying_save)
+        with pytest.raises(KeyboardInterrupt):
+            export_heads(run)
+    assert (run / "heads.safetensors").read_bytes() == before  # the published file is untouched
+    export_heads(run)
+    assert load_file(str(run / "heads.safetensors")).keys() == st.load(before).keys()
