@@ -178,6 +178,40 @@ def refused_object(error: Exception) -> str:
     return found.group(1) if found else "?"
 
 
+class CheckpointRefused(MtpError):
+    """A checkpoint file holds objects a weights-only load refuses: loading it could run code."""
+
+    def __init__(self, name: str):
+        super().__init__(f"it names {name}")
+        self.name = name
+
+
+class CheckpointUnreadable(MtpError):
+    """A file that is not a torch archive, or a damaged one; `detail` is torch's first line."""
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+def load_weights_only(path: Path, mmap: bool = False):
+    """torch.load of a checkpoint file, tensors and plain containers only. Raises CheckpointRefused
+    (naming the object) or CheckpointUnreadable (torch's first line, not its advice to load unsafely)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if (name := refused_object(e)) != "?":
+            raise CheckpointRefused(name) from None
+        raise CheckpointUnreadable("not a torch archive") from None
+    except Exception as e:  # torch reports a damaged archive as several error types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointUnreadable(f"{type(e).__name__}: {first}") from None
+
+
 def zero_state_dict(checkpoint: Path) -> dict:
     """The fp32 state dict of a ZeRO checkpoint directory (Lightning's `last.ckpt/` layout or a
     DeepSpeed save dir), gathered from every rank's shards by DeepSpeed's own consolidation, with

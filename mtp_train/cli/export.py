@@ -12,7 +12,6 @@ Lightning checkpoint file (DDP, one process) works too. The recipe comes from `<
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 from pathlib import Path
 
@@ -21,26 +20,24 @@ from mtp_train.errors import MtpError
 
 def checkpoint_state(path: Path) -> dict:
     """The module state dict of a checkpoint: a ZeRO directory or a Lightning checkpoint file."""
-    import torch
-
-    from mtp_train.distributed import zero_state_dict
+    from mtp_train.distributed import (
+        CheckpointRefused,
+        CheckpointUnreadable,
+        load_weights_only,
+        zero_state_dict,
+    )
 
     if path.is_dir():
         return zero_state_dict(path)
     if not path.is_file():
         raise MtpError(f"{path}: no checkpoint here")
     try:  # tensors and plain containers only: never unpickle arbitrary objects
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # a pickle that names objects: refused, never loaded unsafely
-        from mtp_train.distributed import refused_object
-
-        if (name := refused_object(e)) != "?":
-            raise MtpError(f"{path}: refusing to load it: it holds more than tensors and plain values, and "
-                           f"loading it could run code (it names {name})") from None
-        raise MtpError(f"{path}: not a readable checkpoint (not a torch archive)") from None
-    except Exception as e:  # not a torch archive, or a damaged one (torch uses several error types)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise MtpError(f"{path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+        ckpt = load_weights_only(path)
+    except CheckpointRefused as e:
+        raise MtpError(f"{path}: refusing to load it: it holds more than tensors and plain values, and "
+                       f"loading it could run code (it names {e.name})") from None
+    except CheckpointUnreadable as e:
+        raise MtpError(f"{path}: not a readable checkpoint ({e.detail})") from None
     if not isinstance(ckpt, dict):
         raise MtpError(f"{path}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a dict)")
     if "state_dict" not in ckpt:

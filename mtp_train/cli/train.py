@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import platform
 import time
 from pathlib import Path
@@ -197,23 +196,19 @@ def check_readable(last: Path, run_dir: Path) -> int | None:
     """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
     Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed. Returns the
     checkpoint's global step (None for a ZeRO directory)."""
-    import torch
+    from mtp_train.distributed import CheckpointRefused, CheckpointUnreadable, load_weights_only
 
     if not last.is_file():
         return None
     try:
-        ckpt = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:  # intact, but holds objects a weights-only load refuses
-        from mtp_train.distributed import refused_object
-
+        ckpt = load_weights_only(last, mmap=True)
+    except CheckpointRefused as e:  # intact, but holds objects a weights-only load refuses
         raise MtpError(f"{last}: refusing to resume from it: it holds more than tensors and plain values, "
-                       f"and loading it could run code (it names {refused_object(e)}); "
-                       "force=true trains afresh") from None
-    except Exception as e:  # torch reports a damaged archive as several error types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise MtpError(f"{last}: cannot be read ({type(e).__name__}: {first}); it was probably cut off while "
-                       f"being saved. Rerun with force=true to train afresh (what {run_dir} holds now moves "
-                       f"to {run_dir / SUPERSEDED})") from None
+                       f"and loading it could run code (it names {e.name}); force=true trains afresh") from None
+    except CheckpointUnreadable as e:
+        raise MtpError(f"{last}: cannot be read ({e.detail}); it was probably cut off while being saved. "
+                       f"Rerun with force=true to train afresh (what {run_dir} holds now moves to "
+                       f"{run_dir / SUPERSEDED})") from None
     step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
     return int(step) if isinstance(step, int) else None
 
