@@ -45,18 +45,23 @@ def checkpoint_state(path: Path) -> dict:
     return ckpt["state_dict"]
 
 
+def recipe_file(run_dir: Path) -> Path:
+    """Where a run's config is: <run>/run_config.yaml, which mtp-train writes under the run
+    directory's lock (runs from before it: Hydra's <run>/.hydra/config.yaml, which a command refused
+    on the same directory may have written over)."""
+    from mtp_train.cli.train import RUN_CONFIG
+
+    own = Path(run_dir) / RUN_CONFIG
+    return own if own.is_file() else Path(run_dir) / ".hydra" / "config.yaml"
+
+
 def load_recipe(run_dir: Path):
-    """The typed config a run was started with: <run>/run_config.yaml, which mtp-train writes under
-    the run directory's lock (runs from before it: Hydra's <run>/.hydra/config.yaml, which a command
-    refused on the same directory may have written over)."""
+    """The typed config a run was started with (`recipe_file`)."""
     from omegaconf import OmegaConf
 
-    from mtp_train.cli.train import RUN_CONFIG
     from mtp_train.config import Config, validate
 
-    recipe = Path(run_dir) / RUN_CONFIG
-    if not recipe.is_file():
-        recipe = Path(run_dir) / ".hydra" / "config.yaml"
+    recipe = recipe_file(run_dir)
     if not recipe.is_file():
         raise MtpError(f"{recipe}: missing; export needs the config the run was started with")
     raw = OmegaConf.load(recipe)
@@ -87,9 +92,7 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     from mtp_train.heads import build_heads, heads_state_dict
 
     run_dir = Path(run_dir)
-    from mtp_train.cli.train import RUN_CONFIG
-
-    recipe = run_dir / RUN_CONFIG if (run_dir / RUN_CONFIG).is_file() else run_dir / ".hydra" / "config.yaml"
+    recipe = recipe_file(run_dir)
     cfg = load_recipe(run_dir)
     checkpoint = Path(checkpoint) if checkpoint else run_dir / "checkpoints" / "last.ckpt"
     state = heads_from_module_state(checkpoint_state(checkpoint))
@@ -113,7 +116,7 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     from mtp_train.artifacts import read_json
 
     own = checkpoint.resolve() == (run_dir / "checkpoints" / "last.ckpt").resolve()
-    old = (read_json(run_dir / "heads.json") or {}).get("metrics") or {} if own else {}
+    old = ((read_json(run_dir / "heads.json") or {}).get("metrics") or {}) if own else {}
     metrics = {**{k: v for k, v in old.items() if k != "exported_from"}, "exported_from": str(checkpoint)}
     if not own:  # the run's validation figures and tree statistics describe its own last weights
         from mtp_train.trees import TREE_STATS
