@@ -111,21 +111,23 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     return out
 
 
+def row_prompt(ids: list[int], labels: list[int]) -> list[int] | None:
+    """A prepared row's tokens before its first labelled (assistant) token; None without one."""
+    from mtp_train.targets import IGNORE
+
+    first = next((i for i, v in enumerate(labels) if v != IGNORE), None)
+    return list(ids[:first]) if first else None
+
+
 def held_out_prompts(data_dir: Path, split: str = "validation") -> list[list[int]]:
     """The prompts of a prepared data split (by default the held-out one): each row's tokens before
     its first labelled (assistant) token, i.e. the rendered conversation up to the generation prompt."""
     from datasets import load_from_disk
 
-    from mtp_train.targets import IGNORE
-
     if not (Path(data_dir) / "manifest.json").is_file():
         raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep` or set eval.prompts")
     rows = load_from_disk(str(data_dir))[split]
-    out = []
-    for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True):
-        first = next((i for i, v in enumerate(labels) if v != IGNORE), None)
-        if first:
-            out.append(list(ids[:first]))
+    out = [p for p in map(row_prompt, rows["input_ids"], rows["labels"]) if p]
     if not out:
         raise DataError(f"{data_dir}: the {split} split has no prompt")
     return out

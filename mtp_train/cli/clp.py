@@ -103,21 +103,15 @@ def calibration_prompts(cfg: Config, backbone, labels_manifest: dict) -> list[li
     out. Otherwise (labels from the training split, by decoding or from the cache): the prepared
     validation prompts."""
     from mtp_train.cli.prep import labelled_dir
-    from mtp_train.evaluate import held_out_prompts
-    from mtp_train.targets import IGNORE
+    from mtp_train.evaluate import held_out_prompts, row_prompt
 
     n = cfg.clp.calib_prompts
     if labels_manifest.get("source") == "cache" and labels_manifest.get("split") == "validation":
         found = distilled_cache(cfg, backbone, "validation")
         if found is not None:
             rows, _, first = found
-            out = []
-            for p in range(len(rows) - first):
-                if held_out_by_fit(p, cfg.clp.val_fraction):
-                    ids, labels = rows[first + p]["input_ids"], rows[first + p]["labels"]
-                    start = next((i for i, v in enumerate(labels) if v != IGNORE), None)
-                    if start:
-                        out.append(list(ids[:start]))
+            held = (rows[first + p] for p in range(len(rows) - first) if held_out_by_fit(p, cfg.clp.val_fraction))
+            out = [p for p in (row_prompt(r["input_ids"], r["labels"]) for r in held) if p]
             if len(out) < n:
                 log.warning("calibrating on %d prompts (clp.calib_prompts=%d): only %d labelled "
                             "validation rows were held out of the fit", len(out), n, len(out))
