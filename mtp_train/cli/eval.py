@@ -95,13 +95,14 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
     from mtp_train.clp import SpanPolicy, count_parameters, load_predictor
     from mtp_train.heads import HEADS_FILE
 
-    out = {}
+    out, heads_hash = {}, None
     for mode, path in (("clp", cfg.eval.clp), ("clp+verify", cfg.eval.clp), ("gate", cfg.eval.gate)):
         if mode not in cfg.eval.modes:
             continue
         pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
         key = "eval.gate" if mode == "gate" else "eval.clp"
-        if meta.get("heads_sha256") not in (None, file_sha256(Path(cfg.eval.heads) / HEADS_FILE)):
+        heads_hash = heads_hash or file_sha256(Path(cfg.eval.heads) / HEADS_FILE)
+        if meta.get("heads_sha256") not in (None, heads_hash):
             raise ConfigError(f"{key}: {path} was fitted on the acceptance of other heads than eval.heads="
                               f"{cfg.eval.heads}; fit one for these heads (`mtp-clp clp.heads={cfg.eval.heads}`)")
         tau = meta["tau"]

@@ -169,8 +169,10 @@ class MTPDataModule(L.LightningDataModule):
                         raise ConfigError(
                             f"heads.k: {self.k} heads need rows of at least {self.k + 2} tokens; the longest "
                             f"{split} row has {longest} (rows cropped to {self.max_length}); lower heads.k")
-            for split, rows in (("training", splits["train"].select(keep)), ("validation", splits["validation"])):
-                if not any(any(v != IGNORE for v in lab[: self.max_length]) for lab in rows["labels"]):
+            for split, rows, idx in (("training", splits["train"], keep),
+                                     ("validation", splits["validation"], range(len(splits["validation"])))):
+                # row by row, stopping at the first answer token (not the whole labels column)
+                if not any(any(v != IGNORE for v in rows[i]["labels"][: self.max_length]) for i in idx):
                     raise DataError(f"{', '.join(map(str, self.dirs))}: the {split} rows hold no answer token "
                                     "to learn from (prompt-only rows?); add assistant turns, or train on "
                                     "self-distilled answers (train.data_use=distilled)")
