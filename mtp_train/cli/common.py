@@ -74,8 +74,9 @@ def entry(task):
             typed = validate(cfg)
             return task(cfg, typed)
         except SystemExit as e:
-            # Lightning turns SIGTERM into a SystemExit without a code, which would exit 0
-            if type(e).__name__ != "SIGTERMException":
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            if not isinstance(e, SIGTERMException):  # Lightning's SIGTERM: a SystemExit without a code (0)
                 raise
             print("error: stopped by SIGTERM; what was saved is kept (the last checkpoint or finished "
                   "shards): rerun the same command to resume", file=sys.stderr)

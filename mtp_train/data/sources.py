@@ -183,30 +183,30 @@ def read_sharegpt(path: Path | None, stats: SourceStats, keep_prompt_only: bool)
 
 # --- JSONL: {"prompt": ..., "response"?: ...} or {"messages": [...]} ------------------------------
 
-def row_to_messages(row: dict) -> list | None:
-    """The message list of one user row, or None when the row has no known shape."""
+def row_to_messages(row) -> tuple[list | None, str | None]:
+    """(the message list of one user row, None) or (None, why the row is dropped)."""
+    if not isinstance(row, dict):
+        return None, 'row without "prompt" or "messages"'
     for key in ("messages", "conversations"):
         if isinstance(row.get(key), list):
-            return row[key]
+            return row[key], None
     if isinstance(row.get("prompt"), str):
         msgs = [{"role": "user", "content": row["prompt"]}]
         answer = row.get("response", row.get("completion"))
-        if answer is not None and not isinstance(answer, str):
-            return None  # an answer that is not text: the row is dropped, not kept prompt-only
-        if isinstance(answer, str):
+        if answer is not None and not isinstance(answer, str):  # dropped, not kept prompt-only
+            return None, '"response"/"completion" is not text'
+        if answer is not None:
             msgs.append({"role": "assistant", "content": answer})
-        return msgs
-    return None
+        return msgs, None
+    return None, 'row without "prompt" or "messages"'
 
 
 def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
                         keep_prompt_only: bool) -> dict | None:
     """One user row (JSONL line or dataset row) -> a normalised conversation, or None (counted)."""
-    raw = row_to_messages(row) if isinstance(row, dict) else None
+    raw, why = row_to_messages(row)
     if raw is None:
-        answer = row.get("response", row.get("completion")) if isinstance(row, dict) else None
-        stats.drop('"response"/"completion" is not text' if answer is not None and isinstance(row.get("prompt"), str)
-                   else 'row without "prompt" or "messages"', line)
+        stats.drop(why, line)
         return None
     msgs = normalize_messages(raw, stats, keep_prompt_only)
     if msgs is None:
