@@ -367,6 +367,13 @@ def test_mtp_eval_killed_while_decoding_writes_no_report_and_the_rerun_decodes_t
         with pytest.raises(_Killed):
             run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
     assert not (out / "eval_report.json").exists() and not (out / "outputs.json").exists()
+    import mtp_train.evaluate as evaluate_mod
+
+    with monkeypatch.context() as m:  # killed while writing what comes beside the report
+        m.setattr(evaluate_mod, "write_plots", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
+        with pytest.raises(_Killed):
+            run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
+    assert not (out / "eval_report.json").exists()  # the report, the mark of a finished run, comes last
     again = run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
     assert json.loads((out / "outputs.json").read_text()) == json.loads(
         (root / "eval_straight" / "outputs.json").read_text())
