@@ -266,12 +266,16 @@ class TrainConfig:
     num_workers: int = 0
     use_cache: bool = True  # read hidden states from `mtp-prep stage=cache` when it matches
     data_fraction: float = 1.0  # train on the first fraction of each dataset's training rows (scaling curves)
+    # batches of rows of similar length, drawn from windows of this many random batches sorted by
+    # length (less padding, the same rows per step); 0 or 1: random batches
+    length_window: int = 16
 
     def __post_init__(self) -> None:
         _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")
         _check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
         _check(self.batch_size > 0, "train.batch_size", "must be > 0")
+        _check(self.length_window >= 0, "train.length_window", f"must be >= 0, got {self.length_window}")
         _check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")

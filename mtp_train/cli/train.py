@@ -97,7 +97,7 @@ SUPERSEDED = "superseded"
 
 # keys added to a section after runs were trained without them: hashed only away from these defaults,
 # so a run directory from before keeps its recipe (and is not trained again)
-LATER_KEYS = {"heads": {"share": False}}
+LATER_KEYS = {"heads": {"share": False}, "train": {"length_window": 0}}
 
 
 def recipe_keys(cfg: Config) -> tuple[str, str]:
@@ -112,7 +112,8 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
     from mtp_train.backbone import backbone_identity
 
     structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
-    train = {k: v for k, v in structured(cfg.train).items() if k not in ("num_workers", "use_cache")}
+    train = {k: v for k, v in structured(cfg.train).items()
+             if k not in ("num_workers", "use_cache") and LATER_KEYS["train"].get(k, ...) != v}
     heads = {k: v for k, v in structured(cfg.heads).items() if LATER_KEYS["heads"].get(k, ...) != v}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
     recipe = config_hash({"backbone": backbone_identity(cfg.backbone), "data": data,
@@ -355,7 +356,8 @@ def _run_train(cfg: Config) -> dict:
     cache = open_cache(cfg, backbone)
     dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
                        max_length, cfg.train.num_workers, cfg.seed, cache=cache,
-                       data_fraction=cfg.train.data_fraction, k=cfg.heads.k)
+                       data_fraction=cfg.train.data_fraction, k=cfg.heads.k,
+                       length_window=cfg.train.length_window)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
     ckpt_dir = run_dir / "checkpoints"
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -101,12 +102,22 @@ class ResumableSampler(Sampler):
     holds exactly the rows of batch s of a one-process run with w times the batch size.
     Lightning calls `set_epoch`; the LightningModule sets `skip` (rows of this rank) when it resumes
     mid-epoch, so a resumed run sees exactly the batches an uninterrupted one would have.
+
+    With `lengths` and `window` > 1, batches hold rows of similar length (less right-padding, the
+    same rows per step): the permutation is cut into windows of `window` global batches (`batch` x
+    world rows each), each window is sorted by length, cut into global batches, and those batches are
+    shuffled. Batch boundaries are those of the ungrouped sampler, and so is the correspondence above,
+    except in the last window when n is not a multiple of world (the rows left out are sorted in).
     """
 
-    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1):
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1,
+                 lengths: Sequence[int] | None = None, batch: int = 1, window: int = 0):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside a world of {world}")
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"{len(lengths)} lengths for {n} rows")
         self.n, self.seed, self.rank, self.world = n, seed, rank, world
+        self.lengths, self.batch, self.window = lengths, batch, window
         self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -117,10 +128,23 @@ class ResumableSampler(Sampler):
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g)[: len(self) * self.world]
-        mine = order[self.rank::self.world].tolist()
+        order = torch.randperm(self.n, generator=g)[: len(self) * self.world].tolist()
+        if self.lengths is not None and self.window > 1:
+            order = self._grouped(order, g)
+        mine = order[self.rank::self.world]
         skip, self.skip = self.skip, 0
         return iter(mine[skip:])
+
+    def _grouped(self, order: list[int], g: torch.Generator) -> list[int]:
+        step = self.batch * self.world  # rows of one global batch
+        out = []
+        for w in range(0, len(order), step * self.window):
+            rows = sorted(order[w: w + step * self.window], key=lambda i: -self.lengths[i])
+            full = len(rows) // step * step  # a partial global batch can only be the epoch's last: it stays last
+            for b in torch.randperm(full // step, generator=g).tolist():
+                out += rows[b * step: (b + 1) * step]
+            out += rows[full:]
+        return out
 
 
 class RankSlice(Sampler):
@@ -142,8 +166,9 @@ class RankSlice(Sampler):
 class MTPDataModule(L.LightningDataModule):
     def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
                  num_workers: int = 0, seed: int = 0, cache=None, data_fraction: float = 1.0,
-                 k: int | None = None):
+                 k: int | None = None, length_window: int = 0):
         super().__init__()
+        self.length_window = length_window  # batches per length-sorted window (ResumableSampler); 0: off
         self.k = k  # the heads' depth: each split needs a row long enough for one target at every depth
         self.cache = cache  # a HiddenCache: batches then carry "hidden" and the backbone is skipped
         self.dirs, self.batch_size, self.num_workers, self.seed = dirs, batch_size, num_workers, seed
@@ -151,6 +176,7 @@ class MTPDataModule(L.LightningDataModule):
         self.max_length, self.data_fraction = max_length, data_fraction
         self.splits = None
         self.train_tokens = None  # tokens of the training rows in use, as cropped (set by setup)
+        self.train_lengths = None  # their lengths, as cropped, in the order of the training split in use
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
@@ -160,7 +186,8 @@ class MTPDataModule(L.LightningDataModule):
                 raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
             keep = first_fraction([s["train"] for s in sizes], self.data_fraction)
             ids = splits["train"]["input_ids"]
-            self.train_tokens = sum(min(len(ids[i]), self.max_length) for i in keep)
+            self.train_lengths = [min(len(ids[i]), self.max_length) for i in keep]
+            self.train_tokens = sum(self.train_lengths)
             if self.k is not None:
                 for split, rows in (("training", [ids[i] for i in keep]),
                                     ("validation", splits["validation"]["input_ids"])):
@@ -193,7 +220,8 @@ class MTPDataModule(L.LightningDataModule):
         if n < world:
             raise DataError(f"{n} training rows cannot give each of {world} processes one; "
                             "lower trainer.devices")
-        self.sampler = ResumableSampler(n, self.seed, rank, world)
+        self.sampler = ResumableSampler(n, self.seed, rank, world, lengths=self.train_lengths,
+                                        batch=self.batch_size, window=self.length_window)
         return DataLoader(self.splits["train"], batch_size=self.batch_size, sampler=self.sampler,
                           collate_fn=self.collate, num_workers=self.num_workers)
 
