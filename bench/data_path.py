@@ -23,8 +23,8 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from mtp_train.cli.common import CONF_DIR
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 
 
 @torch.no_grad()
@@ -42,7 +42,7 @@ def stats_before(logits: torch.Tensor) -> None:
 @torch.no_grad()
 def cache_before(backbone, ids: list[list[int]]) -> None:
     """The cache build as it was: batches of 8 in row order, a (B, T, V) float32 logits tensor."""
-    from mtp_train.data.cache import right_pad
+    from data_prep.cache import right_pad
 
     for b in range(0, len(ids), 8):
         inp, attn = right_pad(ids[b: b + 8])
@@ -52,7 +52,7 @@ def cache_before(backbone, ids: list[list[int]]) -> None:
 
 @torch.no_grad()
 def cache_after(backbone, ids: list[list[int]], compute: str) -> None:
-    from mtp_train.data.cache import _hidden_rows, length_batches
+    from data_prep.cache import _hidden_rows, length_batches
 
     for batch in length_batches([len(x) for x in ids], 4096):
         _hidden_rows(backbone, [ids[i] for i in batch], "float16", compute)
@@ -67,10 +67,11 @@ def main(argv: list[str]) -> int:
 
     from datasets import load_from_disk
 
-    from mtp_train.backbone import load_backbone
-    from mtp_train.cli.prep import distilled_dir, labelled_dir
-    from mtp_train.data.distill import _cpu_has_native_bf16, _generate_shard
+    from data_prep.distill import _generate_shard
+    from mtp_train import layout
+    from mtp_train.backbone import cpu_has_native_bf16, load_backbone
     from mtp_train.evaluate import cpu_model
+    from mtp_train.layout import distilled_dir, labelled_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=48, help="rows the cache build runs over")
@@ -80,19 +81,19 @@ def main(argv: list[str]) -> int:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = validate(compose("config", overrides=["paths.output_dir=outputs/bench", *overrides]))
     backbone = load_backbone(cfg.backbone)
-    max_length = cfg.train.max_length or cfg.data.max_length
+    max_length = layout.max_length(cfg)
     rows = []
     for d in (labelled_dir(cfg), distilled_dir(cfg)):
         ds = load_from_disk(str(d))["train"]
         rows += [list(r)[:max_length] for r in ds.select(range(min(len(ds), args.rows // 2)))["input_ids"]]
     n_tok = sum(len(r) for r in rows)
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, native bf16: {_cpu_has_native_bf16()}")
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, native bf16: {cpu_has_native_bf16()}")
     print(f"backbone {cfg.backbone.name}; cache over {len(rows)} rows, {n_tok:,} tokens "
           f"(rows cropped to {max_length}); {args.rounds} interleaved rounds")
 
     variants = {"before (fp32)": lambda: cache_before(backbone, rows),
                 "after (fp32)": lambda: cache_after(backbone, rows, "float32")}
-    if _cpu_has_native_bf16() or backbone.device.type == "cuda":
+    if cpu_has_native_bf16() or backbone.device.type == "cuda":
         variants["after (bf16)"] = lambda: cache_after(backbone, rows, "bfloat16")
     cache_after(backbone, rows[:4], "float32")  # warm-up
     speed = {k: [] for k in variants}

@@ -18,12 +18,13 @@ the plots into outputs/bench_decode/ (or paths.output_dir).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from hydra import compose, initialize_config_dir
 
-from mtp_train.cli.common import CONF_DIR
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 
 DEFAULTS = ["paths.output_dir=outputs/bench_decode", "logger=none", "eval.prompt_source=unseen",
             "eval.n_prompts=20", "eval.max_new_tokens=128", "eval.rounds=3", "eval.modes=[greedy,verify,tree]"]
@@ -54,10 +55,13 @@ def target_lines(report: dict) -> list[tuple[str, bool]]:
 
 
 def main(overrides: list[str]) -> None:
-    from mtp_train.cli.eval import run_eval
+    from data_prep.stages import run_prep
+    from mtp_train.pipeline.evaluation import run_eval
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = validate(compose("config", overrides=[*DEFAULTS, *overrides]))
+    if not cfg.eval.prompts:  # held-out prompts come from the prepared data (skips itself when up to date)
+        run_prep(dataclasses.replace(cfg, stage="data"))
     report = run_eval(cfg)
     modes, dec = report["modes"], report.get("decoder") or {}
     hf = modes["hf_generate"]

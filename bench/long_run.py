@@ -23,8 +23,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from mtp_train.cli.common import CONF_DIR
+from mtp_train import layout
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 
 # the targets at the end of the long run (issue 14)
 TARGETS = {"agree_d1": 0.5, "tree_speedup": 2.0, "clp_speedup": 1.2}
@@ -36,9 +37,9 @@ def _cfg(overrides: list[str]):
 
 
 def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], source: str = "unseen") -> dict:
-    from mtp_train.cli.clp import run_clp
-    from mtp_train.cli.eval import run_eval
-    from mtp_train.cli.train import run_train
+    from mtp_train.pipeline.clp_run import run_clp
+    from mtp_train.pipeline.evaluation import run_eval
+    from mtp_train.pipeline.training import run_train
     from mtp_train.report import accepts_nothing
 
     base = _cfg([*overrides, f"paths.output_dir={out}"])
@@ -50,9 +51,9 @@ def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], so
     report = run_eval(_cfg([*overrides, f"eval.heads={run}/train", f"eval.clp={run}/clp/clp",
                             "eval.modes=[verify,tree,clp]", f"eval.prompt_source={source}",
                             f"eval.n_prompts={prompts}", f"paths.output_dir={run}/eval"]))
-    heads = json.loads((run / "train" / "heads.json").read_text())
+    heads = json.loads((layout.pipeline_dirs(run)[0] / layout.HEADS_META).read_text())
     modes = report["modes"]
-    clp_meta = json.loads((run / "clp" / "clp" / "clp.json").read_text())
+    clp_meta = json.loads((layout.predictor_dir(layout.pipeline_dirs(run)[1], "clp") / layout.CLP_META).read_text())
     bounds, c, ref = clp_meta.get("bounds") or {}, modes["clp"], modes["hf_generate"]
     within = (c["repetition_ratio"] - ref["repetition_ratio"] <= bounds.get("max_repetition_increase", 0.02) + 1e-9
               and c["backbone_nll"] - ref["backbone_nll"] <= bounds.get("max_nll_increase", 0.1) + 1e-9)
@@ -64,7 +65,7 @@ def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], so
             "tree_tau": modes["tree"]["tau"], "tree_speedup": modes["tree"]["speedup_vs_hf"],
             "tree": (report.get("decoder") or {}).get("trees", {}).get("static"),
             "identical": bool(modes["verify"]["identical_to_greedy"] and modes["tree"]["identical_to_greedy"]),
-            "clp_speedup": modes["clp"]["speedup_vs_hf"], "clp_tau": clp_meta.get("tau"),
+            "clp_speedup": modes["clp"]["speedup_vs_hf"], "clp_threshold": clp_meta.get("threshold", clp_meta.get("tau")),
             "clp_calibrated": not accepts_nothing(report, "clp", {"clp": clp_meta}),
             "clp_within_bounds": within,
             "hf_tokens_per_s": modes["hf_generate"]["tokens_per_s"], "machine": report.get("machine")}
@@ -75,7 +76,7 @@ def table(points: list[dict]) -> list[str]:
              "(tree) | verify vs HF | tree vs HF | CLP vs HF (within bounds) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
-        clp = (f"{p['clp_speedup']:.2f}x ({'yes' if p['clp_within_bounds'] else 'no'}, tau {p['clp_tau']:.2f})"
+        clp = (f"{p['clp_speedup']:.2f}x ({'yes' if p['clp_within_bounds'] else 'no'}, threshold {p['clp_threshold']:.2f})"
                if p["clp_calibrated"] else f"{p['clp_speedup']:.2f}x (not calibrated: accepts nothing)")
         lines.append(f"| {p['fraction']:g} | {p['steps']} | {p['train_rows']} | {p['train_tokens']:,} | "
                      f"{p['train_s'] / 60:.0f} min | " + " / ".join(f"{a:.3f}" for a in p["agree"])
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-source", default="unseen", choices=["unseen", "validation"],
                     help="eval.prompt_source: conversations the data stage never took (default) or validation")
     args, overrides = ap.parse_known_args(argv)
-    from mtp_train.cli.prep import run_prep
+    from data_prep.stages import run_prep
 
     if not any(o.startswith("experiment=") for o in overrides):
         overrides = ["experiment=smollm2_cpu_long", *overrides]

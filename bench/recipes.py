@@ -1,5 +1,5 @@
 """Recipe comparison: the same data, steps and batches for each candidate recipe; validation sim_tau,
-per-depth agreement and wall time side by side (the table behind the demo's choice, README "Results").
+per-depth agreement and wall time side by side (the table behind the demo's choice, docs/results.md).
 
     python bench/recipes.py                           # the demo's data and cache, 80 steps a recipe
     python bench/recipes.py --steps 200 --out runs/recipes_200
@@ -12,14 +12,16 @@ Writes <out>/recipes.{json,md} and prints the table, best first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from mtp_train.cli.common import CONF_DIR
+from mtp_train import layout
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 
 # name -> overrides on top of the demo experiment
 RECIPES = {
@@ -46,8 +48,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--only", default=None, help="comma-separated recipe names (default: all)")
     args, overrides = ap.parse_known_args(argv)
+    from data_prep.stages import run_prep
     from mtp_train.artifacts import write_json_atomic
-    from mtp_train.cli.train import run_train
+    from mtp_train.pipeline.training import run_train
 
     names = args.only.split(",") if args.only else list(RECIPES)
     unknown = [n for n in names if n not in RECIPES]
@@ -61,8 +64,9 @@ def main(argv: list[str]) -> int:
             cfg = validate(compose("config", overrides=[
                 "logger=csv", *overrides, *RECIPES[name], f"trainer.max_steps={args.steps}",
                 f"trainer.val_check_interval={max(1, args.steps // 2)}", f"paths.output_dir={run}"]))
+        run_prep(dataclasses.replace(cfg, stage="all"))  # skips itself when up to date
         metrics = run_train(cfg)
-        meta = json.loads((run / "heads.json").read_text())
+        meta = json.loads((run / layout.HEADS_META).read_text())
         rows.append({"recipe": name, "overrides": RECIPES[name], "sim_tau": metrics["val/sim_tau"],
                      "agree": [metrics.get(f"val/agree_d{j}") for j in range(1, meta["k"] + 1)],
                      "train_s": meta["run"]["elapsed_s"], "steps": meta["recipe"]["steps"],

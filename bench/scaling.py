@@ -22,8 +22,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from mtp_train.cli.common import CONF_DIR
+from mtp_train import layout
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 
 TARGET_TAU = 1.9
 
@@ -34,13 +35,13 @@ def _cfg(overrides: list[str]):
 
 
 def run_point(out: Path, source: str, fraction: float, prompts: int, overrides: list[str]) -> dict:
-    from mtp_train.cli.eval import run_eval
-    from mtp_train.cli.train import run_train
+    from mtp_train.pipeline.evaluation import run_eval
+    from mtp_train.pipeline.training import run_train
 
     run = out / f"{source}-{fraction:g}"
     common = [*overrides, f"train.data_use={source}"]
     run_train(_cfg([*common, f"train.data_fraction={fraction}", f"paths.output_dir={run}"]))
-    heads = json.loads((run / "heads.json").read_text())
+    heads = json.loads((run / layout.HEADS_META).read_text())
     report = run_eval(_cfg([*common, f"eval.heads={run}", "eval.modes=[verify]", f"eval.n_prompts={prompts}",
                             f"paths.output_dir={run}/eval"]))
     v = report["modes"]["verify"]
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sources", default="labelled,distilled")
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts decoded per point")
     args, overrides = ap.parse_known_args(argv)
-    from mtp_train.cli.prep import run_prep
+    from data_prep.stages import run_prep
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,18 +18,21 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from mtp_train.cli.common import CONF_DIR
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 
 
 def main(overrides: list[str]) -> None:
+    from data_prep.stages import run_prep
+    from mtp_train import layout
     from mtp_train.backbone import load_backbone
-    from mtp_train.cli.prep import cache_location, data_dirs, run_prep
-    from mtp_train.cli.train import draft_vocab_for
     from mtp_train.data.cache import HiddenCache
     from mtp_train.heads import build_heads
+    from mtp_train.layout import data_dirs
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
+    from mtp_train.pipeline.prepared import cache_location
+    from mtp_train.pipeline.training import draft_vocab_for
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = validate(compose("config", overrides=["paths.output_dir=outputs/bench", *overrides]))
@@ -38,7 +41,7 @@ def main(overrides: list[str]) -> None:
     backbone = load_backbone(cfg.backbone)
     _, path = cache_location(cfg, backbone)
     cache = HiddenCache(path)
-    max_length = cfg.train.max_length or cfg.data.max_length
+    max_length = layout.max_length(cfg)
     draft_ids = draft_vocab_for(cfg, backbone)
     results = {}
     for name, c in (("cache", cache), ("live", None)):

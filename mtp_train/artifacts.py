@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import MtpError
-
-MANIFEST = "manifest.json"
+from mtp_train.layout import MANIFEST
 
 
 def config_hash(obj: Any) -> str:
@@ -38,7 +37,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-FAILED = "FAILED.txt"  # in a sweep point's run dir: why it failed (cli.common writes, sweep reads)
 
 
 def read_json(path: Path) -> dict | None:

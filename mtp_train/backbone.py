@@ -9,6 +9,7 @@ LM head, the token embedding and the tokenizer with its chat template. Optional 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -21,11 +22,11 @@ from torch import nn
 from mtp_train.artifacts import file_sha256, publish_dir, read_json, temp_dir_for, write_json_atomic
 from mtp_train.config import BackboneConfig, LoraConfig, TinyBackboneConfig
 from mtp_train.errors import BackboneError
+from mtp_train.layout import CONVERT_MANIFEST
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CONVERT_MANIFEST = "mtp_backbone.json"
 
 # ChatML, as SmolLM2 ships it: a default system turn when the conversation has none.
 CHATML_TEMPLATE = (
@@ -355,3 +356,51 @@ def convert_gguf(cfg: BackboneConfig, force: bool = False) -> Path:
     publish_dir(tmp, out)
     log.info("converted backbone written to %s", out)
     return out
+
+
+# --- compute dtypes -----------------------------------------------------------------------------
+
+def resolve_autocast(device: torch.device, name: str) -> str:
+    """`auto` -> bfloat16 only where it is fast: on CPUs without native bf16 (AVX2-only, as on
+    some of our machines) bf16 autocast makes generation 4x slower, not 2x faster."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast_to(device: torch.device, dtype_name: str):
+    if dtype_name == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype_name))
+
+
+# --- end of sequence ------------------------------------------------------------------------------
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends an answer: the generation config's end-of-sequence ids (one or a list)
+    and the tokenizer's, sorted. Refused when there is none (answers would never end)."""
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(gen if isinstance(gen, (list, tuple)) else [gen]) | {tokenizer.eos_token_id}
+    ids.discard(None)
+    if not ids:
+        raise BackboneError("the backbone has no end-of-sequence token; cannot tell where answers end")
+    return sorted(ids)
+
+
+def cut_at_eos(ids: list[int], eos: list[int] | set[int], limit: int | None = None) -> tuple[list[int], str]:
+    """(the tokens up to and including the first end-of-sequence token, "eos"), or the first `limit`
+    tokens and "length" when none comes first."""
+    for i, t in enumerate(ids[:limit]):
+        if t in eos:
+            return ids[: i + 1], "eos"
+    return ids[:limit], "length"

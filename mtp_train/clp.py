@@ -6,9 +6,9 @@ commit after the backbone's own token, decided from the backbone's state without
     gate  the ~1M-parameter MLP baseline ("gate network") on the same features.
 
 Features are the backbone's final hidden state h_p, optionally concatenated with the k heads' top-1
-probabilities. The decision rule is m = max{m : P(L >= m) >= tau} with P(L >= m) the cumulative
+probabilities. The decision rule is m = max{m : P(L >= m) >= threshold} with P(L >= m) the cumulative
 class probability from m up; P(L >= 0) = 1, so m = 0 (only the backbone's token) whenever nothing
-else clears tau, and tau = 1 accepts no draft. Pure torch; fitting lives in lit/ and cli/clp.py.
+else clears the threshold, and a threshold of 1 accepts no draft. Pure torch; fitting lives in lit/predictor.py and pipeline/clp_run.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import ConfigError, MtpError
-
-KINDS = ("clp", "gate")
-CLP_FILE, CLP_META = "clp.safetensors", "clp.json"
+from mtp_train.heads import count_parameters
+from mtp_train.layout import CLP_FILE, CLP_META
 
 
 class SpanPredictor(nn.Module):
@@ -60,14 +60,10 @@ class GateMLP(SpanPredictor):
 
 
 def build_predictor(kind: str, hidden_size: int, k: int, use_head_probs: bool = False) -> SpanPredictor:
-    if kind not in KINDS:
-        raise ConfigError(f"clp.kind: unknown value {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind not in PREDICTOR_KINDS:
+        raise ConfigError(f"clp.kind: unknown value {kind!r}; choose one of {', '.join(PREDICTOR_KINDS)}")
     cls = LinearCLP if kind == "clp" else GateMLP
     return cls(hidden_size, k, use_head_probs)
-
-
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def undo_class_weights(predictor: SpanPredictor, weights: torch.Tensor) -> None:
@@ -75,7 +71,7 @@ def undo_class_weights(predictor: SpanPredictor, weights: torch.Tensor) -> None:
     label frequencies themselves, in place.
 
     Weighted CE is minimised by q(m | x) = w_m p(m | x) / sum_j w_j p(j | x): it overstates the rare
-    long spans by their weight, so P(L >= m) read from q clears tau far more often than the drafts
+    long spans by their weight, so P(L >= m) read from q clears the threshold far more often than the drafts
     are right. Dividing by w_m and renormalising recovers p; a softmax does the renormalising, so
     subtracting log w_m from the last layer's bias is exact. Classes absent from the labels (w = 0)
     keep their bias: no label raised it."""
@@ -96,10 +92,10 @@ def held_out_calibration(predictor: SpanPredictor, hidden: torch.Tensor, head_pr
             "val/p_span1_observed": float((labels >= 1).float().mean())}
 
 
-def span_from_probs(probs: torch.Tensor, tau: float) -> torch.Tensor:
-    """Class probabilities (..., k + 1) -> m = max{m : P(L >= m) >= tau} (..., ) long."""
+def span_from_probs(probs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Class probabilities (..., k + 1) -> m = max{m : P(L >= m) >= threshold} (..., ) long."""
     tail = probs.flip(-1).cumsum(-1).flip(-1)  # (..., k+1): P(L >= m)
-    ok = tail >= tau - 1e-7  # (..., k+1)
+    ok = tail >= threshold - 1e-7  # (..., k+1)
     ok[..., 0] = True  # P(L >= 0) = 1
     idx = torch.arange(probs.shape[-1], device=probs.device)
     return torch.where(ok, idx, torch.zeros_like(idx)).max(-1).values
@@ -116,18 +112,18 @@ def class_weights(labels: torch.Tensor, k: int) -> torch.Tensor:
 class SpanPolicy:
     """The decoder's `span_policy` for mode clp: callable(hidden (d,), head_probs (k,)) -> m."""
 
-    def __init__(self, predictor: SpanPredictor, tau: float):
-        self.predictor, self.tau = predictor.eval(), tau
+    def __init__(self, predictor: SpanPredictor, threshold: float):
+        self.predictor, self.threshold = predictor.eval(), threshold
         self.needs_probs = predictor.use_head_probs  # False: the decoder asks before drafting
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, head_probs: torch.Tensor | None = None) -> int:
         logits = self.predictor(hidden.float(), None if head_probs is None else head_probs.float())
-        return int(span_from_probs(torch.softmax(logits, -1), self.tau))
+        return int(span_from_probs(torch.softmax(logits, -1), self.threshold))
 
 
 def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
-    """clp.safetensors (weights) + clp.json (kind, k, d, inputs, backbone, tau, figures); atomic."""
+    """clp.safetensors (weights) + clp.json (kind, k, d, inputs, backbone, threshold, figures); atomic."""
     import os
 
     from safetensors.torch import save_file
@@ -144,7 +140,7 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
     write_json_atomic(out_dir / CLP_META, {
         **meta, "kind": "clp" if isinstance(predictor, LinearCLP) else "gate", "k": predictor.k,
         "hidden_size": predictor.hidden_size, "use_head_probs": predictor.use_head_probs,
-        "parameters": count_parameters(predictor)})
+        "parameters": count_parameters(predictor)["total"]})
     return out_dir / CLP_FILE
 
 
@@ -180,13 +176,13 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
 
 
 # ---------------------------------------------------------------------------------------------------
-# calibration: the fastest tau whose output quality stays within bounds of plain greedy decoding
+# calibration: the fastest threshold whose output quality stays within bounds of plain greedy decoding
 
 
-def pick_tau(rows: list[dict], greedy: dict, max_rep_increase: float, max_nll_increase: float
-             ) -> dict | None:
-    """rows: one per tau with tokens_per_s, repetition_ratio, backbone_nll; greedy: the same keys for
-    plain greedy decoding. The fastest row within both bounds, or None when no tau meets them."""
+def pick_threshold(rows: list[dict], greedy: dict, max_rep_increase: float, max_nll_increase: float
+                   ) -> dict | None:
+    """rows: one per threshold with tokens_per_s, repetition_ratio, backbone_nll; greedy: the same keys for
+    plain greedy decoding. The fastest row within both bounds, or None when no threshold meets them."""
     ok = [r for r in rows
           if r["repetition_ratio"] <= greedy["repetition_ratio"] + max_rep_increase + 1e-12
           and r["backbone_nll"] <= greedy["backbone_nll"] + max_nll_increase + 1e-12]
@@ -217,11 +213,11 @@ def measure_decode(decoder, prompts: list[list[int]], max_new_tokens: int, mode:
             / len(outs)}, outs
 
 
-def sweep_tau(decoder, predictor: SpanPredictor, prompts: list[list[int]], taus: list[float],
-              max_new_tokens: int, greedy: tuple[dict, list[list[int]]] | None = None,
-              progress: bool = True) -> tuple[dict, list[dict]]:
-    """Decode `prompts` greedily and in clp mode for each tau; per tau: tokens/s, tau (accepted
-    length), repetition, backbone NLL, greedy-match rate and mean first divergence.
+def sweep_thresholds(decoder, predictor: SpanPredictor, prompts: list[list[int]], thresholds: list[float],
+                     max_new_tokens: int, greedy: tuple[dict, list[list[int]]] | None = None,
+                     progress: bool = True) -> tuple[dict, list[dict]]:
+    """Decode `prompts` greedily and in clp mode for each threshold; per threshold: tokens/s, accepted
+    length, repetition, backbone NLL, greedy-match rate and mean first divergence.
 
     `greedy` = (figures, outputs) of an earlier `measure_decode(..., "greedy")` over the same
     prompts, to reuse it; shown as a progress bar over decodes unless `progress` is false."""
@@ -229,16 +225,16 @@ def sweep_tau(decoder, predictor: SpanPredictor, prompts: list[list[int]], taus:
 
     from mtp_train.evaluate import first_divergence
 
-    bar = tqdm(total=len(prompts) * (len(taus) + (greedy is None)), desc="tau sweep", unit="decode",
+    bar = tqdm(total=len(prompts) * (len(thresholds) + (greedy is None)), desc="threshold sweep", unit="decode",
                disable=not progress)
     figures, ref = greedy if greedy is not None else measure_decode(
         decoder, prompts, max_new_tokens, "greedy", bar=bar)
     rows = []
-    for tau in taus:
-        row, outs = measure_decode(decoder, prompts, max_new_tokens, "clp", SpanPolicy(predictor, tau), bar)
+    for threshold in thresholds:
+        row, outs = measure_decode(decoder, prompts, max_new_tokens, "clp", SpanPolicy(predictor, threshold), bar)
         div = [first_divergence(o, g) for o, g in zip(outs, ref, strict=True)]
         diffs = [d for d in div if d is not None]
-        row.update(tau=tau, speedup_vs_greedy=row["tokens_per_s"] / figures["tokens_per_s"],
+        row.update(threshold=threshold, speedup_vs_greedy=row["tokens_per_s"] / figures["tokens_per_s"],
                    greedy_match_rate=sum(d is None for d in div) / len(div),
                    first_divergence=sum(diffs) / len(diffs) if diffs else None)
         rows.append(row)

@@ -1,4 +1,4 @@
-"""Typed config schemas, registered in Hydra's ConfigStore.
+"""Typed config schemas (no Hydra import here: `mtp_train.entry` registers them in Hydra's ConfigStore).
 
 `conf/config.yaml` starts its defaults list with `config_schema`, so every YAML group file is merged
 into these dataclasses: a mistyped key or a value of the wrong type fails at compose time with
@@ -13,19 +13,29 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mtp_train.choices import (
+    ADAPTIVE_POLICIES,
+    BACKBONE_SOURCES,
+    DATA_SOURCES,
+    DATA_USES,
+    DTYPES,
+    EVAL_DTYPES,
+    EVAL_MODES,
+    HEAD_INITS,
+    HEAD_LM,
+    HEAD_TYPES,
+    LABEL_SOURCES,
+    LABEL_SPLITS,
+    LOSS_NAMES,
+    LR_SCHEDULES,
+    PREDICTOR_KINDS,
+    PROMPT_SOURCES,
+    SEGMENT_RULES,
+)
 from mtp_train.errors import ConfigError
-
-HEAD_TYPES = ("medusa", "chained")
-LOSS_NAMES = ("ce", "kl", "tv", "e2e_tv")
-BACKBONE_SOURCES = ("hf", "gguf", "tiny")
-DATA_SOURCES = ("sharegpt", "jsonl", "disk", "tiny")
-DTYPES = ("float32", "bfloat16", "float16")
-SEGMENT_RULES = ("diff", "zscore")
-LR_SCHEDULES = ("cosine", "constant", "wsd")
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -43,7 +53,7 @@ def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
 
 @dataclass
 class TinyBackboneConfig:
-    """A random Llama built in code: tests and smoke runs need no download and no preparation."""
+    """A random Llama built in code: tests and smoke runs need no download (`mtp-prep backbone=tiny` prepares its data in seconds)."""
 
     hidden_size: int = 64
     num_layers: int = 2
@@ -126,13 +136,13 @@ class HeadsConfig:
 
     def __post_init__(self) -> None:
         _choice(self.type, HEAD_TYPES, "heads.type")
-        _choice(self.init, ("copy_last", "random"), "heads.init")
+        _choice(self.init, HEAD_INITS, "heads.init")
         _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
         # the validation's rank statistics count (R + 1)^k cells per entropy bucket, R >= 1
         _check(self.k <= MAX_K, "heads.k", f"at most {MAX_K} (deeper drafts are all but never accepted, "
                                            f"and the tree statistics would not fit), got {self.k}")
         _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
-        _choice(self.lm_head, ("shared", "copy"), "heads.lm_head")
+        _choice(self.lm_head, HEAD_LM, "heads.lm_head")
         _check(self.draft_vocab is None or self.draft_vocab >= 2, "heads.draft_vocab",
                f"must be >= 2 or null (the whole vocabulary), got {self.draft_vocab}")
         _check(not (self.type == "chained" and self.lm_head == "copy"), "heads.lm_head",
@@ -271,7 +281,7 @@ class TrainConfig:
     length_window: int = 16
 
     def __post_init__(self) -> None:
-        _choice(self.data_use, ("distilled", "labelled", "mix"), "train.data_use")
+        _choice(self.data_use, DATA_USES, "train.data_use")
         _check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
         _check(self.batch_size > 0, "train.batch_size", "must be > 0")
@@ -285,9 +295,6 @@ class TrainConfig:
         _check(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
 
 
-PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source
-DECODE_MODES = ("greedy", "verify", "tree", "dynamic", "relaxed", "clp", "gate", "clp+verify", "adaptive")
-EVAL_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -307,24 +314,28 @@ class ClpConfig:
     max_new_tokens: int = 128
     shard_prompts: int = 8  # prompts per resumable shard
     val_fraction: float = 0.2  # of the labelled prompts, held out while fitting
-    kinds: list[str] = field(default_factory=lambda: ["clp", "gate"])
+    kinds: list[str] = field(default_factory=lambda: list(PREDICTOR_KINDS))
     use_head_probs: bool = False  # features: hidden state (+ the heads' top-1 probabilities)
     epochs: int = 40
     batch_size: int = 256
     lr: float = 3e-3
-    calib_prompts: int = 6  # held-out prompts decoded per tau
-    taus: list[float] = field(default_factory=lambda: [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    calib_prompts: int = 6  # held-out prompts decoded per threshold
+    # CLP commits m drafts unverified where P(L >= m) >= threshold; calibration keeps the fastest
+    # of these within the bounds below (a threshold of 1.0 commits none)
+    thresholds: list[float] = field(default_factory=lambda: [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    taus: list[float] | None = None  # renamed to thresholds ("tau" is the accepted length); refused
     max_repetition_increase: float = 0.02  # calibration bounds against plain greedy decoding
     max_nll_increase: float = 0.10  # nats per token
 
     def __post_init__(self) -> None:
-        _check(all(0 < t <= 1 for t in self.taus) and len(self.taus) > 0, "clp.taus",
+        _check(self.taus is None, "clp.taus", "renamed to clp.thresholds (tau is the mean accepted length)")
+        _check(all(0 < t <= 1 for t in self.thresholds) and len(self.thresholds) > 0, "clp.thresholds",
                "must be values in (0, 1]")
         _check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
-        _choice(self.label_source, ("auto", "cache", "decode"), "clp.label_source")
-        _choice(self.label_split, ("validation", "train"), "clp.label_split")
+        _choice(self.label_source, LABEL_SOURCES, "clp.label_source")
+        _choice(self.label_split, LABEL_SPLITS, "clp.label_split")
         for kind in self.kinds:
-            _choice(kind, ("clp", "gate"), "clp.kinds")
+            _choice(kind, PREDICTOR_KINDS, "clp.kinds")
         _check(len(self.kinds) > 0 and len(set(self.kinds)) == len(self.kinds), "clp.kinds",
                f"name each predictor kind once, at least one (clp, gate), got {list(self.kinds)}")
         _check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")
@@ -359,12 +370,16 @@ class EvalConfig:
     adaptive_policy: str = "cost"  # cost | entropy
     entropy_low: float = 0.5  # adaptive entropy policy: all heads at or below (nats)
     entropy_high: float = 3.0  # no head at or above
-    span_tau: float | None = None  # clp, gate, clp+verify at this tau instead of the calibrated one
+    # clp, gate, clp+verify at this threshold instead of the calibrated one (to map the trade-off)
+    span_threshold: float | None = None
+    span_tau: float | None = None  # renamed to span_threshold; refused
 
     def __post_init__(self) -> None:
-        _check(self.span_tau is None or 0 < self.span_tau <= 1, "eval.span_tau", "must be in (0, 1] or null")
+        _check(self.span_tau is None, "eval.span_tau", "renamed to eval.span_threshold (tau is the mean accepted length)")
+        _check(self.span_threshold is None or 0 < self.span_threshold <= 1, "eval.span_threshold",
+               "must be in (0, 1] or null")
         for m in self.modes:
-            _choice(m, DECODE_MODES, "eval.modes")
+            _choice(m, tuple(EVAL_MODES), "eval.modes")
         _check(len(set(self.modes)) == len(self.modes), "eval.modes", "lists a mode twice")
         _check(self.n_prompts is None or self.n_prompts > 0, "eval.n_prompts", "must be > 0 or null")
         _check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0")
@@ -382,7 +397,7 @@ class EvalConfig:
                "(set eval.prompts=null or eval.prompt_source=validation)")
         _check(0 < self.delta <= 1, "eval.delta", "must be in (0, 1]")
         _check(self.budget >= 0, "eval.budget", "must be >= 0")
-        _choice(self.adaptive_policy, ("cost", "entropy"), "eval.adaptive_policy")
+        _choice(self.adaptive_policy, ADAPTIVE_POLICIES, "eval.adaptive_policy")
         _check(self.entropy_low < self.entropy_high, "eval.entropy_low", "must be below eval.entropy_high")
 
     def check_inputs(self) -> None:
@@ -428,10 +443,6 @@ class Config:
                f"needs one weight per head (heads.k={self.heads.k}), got {None if w is None else len(w)}")
         _check(self.heads.k < self.data.max_length - 1, "heads.k",
                f"heads.k={self.heads.k} leaves no target inside data.max_length={self.data.max_length}")
-
-
-def register_configs() -> None:
-    ConfigStore.instance().store(name="config_schema", node=Config)
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:

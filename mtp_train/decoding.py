@@ -49,9 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_train.backbone import cut_at_eos
+from mtp_train.choices import DECODER_MODES
 from mtp_train.trees import DraftTree, TreeShape, greedy_accept, tree_attention_mask
 
-MODES = ("greedy", "verify", "relaxed", "clp", "clp+verify", "adaptive")
+MODES = DECODER_MODES
 
 
 @dataclass
@@ -678,10 +680,7 @@ class Decoder:
         return len(new) >= max_new_tokens or any(t in self.eos for t in new)
 
     def _truncate(self, new: list[int], max_new_tokens: int) -> tuple[list[int], str]:
-        for i, t in enumerate(new[:max_new_tokens]):
-            if t in self.eos:
-                return new[: i + 1], "eos"
-        return new[:max_new_tokens], "length"
+        return cut_at_eos(new, self.eos, max_new_tokens)
 
     @staticmethod
     def _relaxed(logits: torch.Tensor, drafts: torch.Tensor, delta: float, budget: float) -> int:

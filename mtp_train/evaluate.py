@@ -1,7 +1,7 @@
 """mtp-eval's measurements: every decoding mode and HF `generate` greedy on the same prompts, in one
 process, after a warm-up; the quality signals that need no judge; the report, plots and table.
 
-`eval_report.json` holds, under "modes", one object per mode with exactly these keys (README,
+`eval_report.json` holds, under "modes", one object per mode with exactly these keys (docs/algorithms.md,
 "Metrics"): tau (committed tokens per backbone forward after the prefill), alpha (per-depth
 acceptance: kept / reached), tokens_per_s, speedup_vs_hf (HF's wall time / the mode's, prefill
 included), repetition_ratio (1 - unique / total 4-grams, averaged over outputs), backbone_nll (the
@@ -35,10 +35,12 @@ from pathlib import Path
 import torch
 
 from mtp_train.artifacts import write_json_atomic
+from mtp_train.backbone import eos_ids
+from mtp_train.choices import EVAL_MODES
 from mtp_train.errors import DataError
+from mtp_train.layout import ACCEPTANCE_PNG, EVAL_REPORT, MANIFEST, SPEEDUP_PNG, VERIFY_COSTS_PNG
 
 log = logging.getLogger(__name__)
-REPORT = "eval_report.json"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,7 +126,7 @@ def held_out_prompts(data_dir: Path, split: str = "validation") -> list[list[int
     its first labelled (assistant) token, i.e. the rendered conversation up to the generation prompt."""
     from datasets import load_from_disk
 
-    if not (Path(data_dir) / "manifest.json").is_file():
+    if not (Path(data_dir) / MANIFEST).is_file():
         raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep` or set eval.prompts")
     rows = load_from_disk(str(data_dir))[split]
     out = [p for p in map(row_prompt, rows["input_ids"], rows["labels"]) if p]
@@ -137,7 +139,7 @@ def dataset_ids(data_dir: Path) -> set[str]:
     """The conversation ids of a prepared dataset, over all of its splits."""
     from datasets import load_from_disk
 
-    if not (Path(data_dir) / "manifest.json").is_file():
+    if not (Path(data_dir) / MANIFEST).is_file():
         raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep stage=data` first")
     ds = load_from_disk(str(data_dir))
     return {str(i) for split in ds for i in ds[split]["id"]}
@@ -309,8 +311,7 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     from mtp_train.decoding import ROW_BUCKETS, Decoder
 
     tok = backbone.tokenizer
-    eos = sorted({t for t in (tok.eos_token_id, *_as_list(backbone.model.generation_config.eos_token_id))
-                  if t is not None})
+    eos = eos_ids(backbone.model, tok)
     dec = Decoder(backbone, heads, eos_ids=eos)
     k = dec.k
     mm = dec.measure_matmuls()
@@ -325,13 +326,11 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
             opts = {"delta": cfg.delta, "budget": cfg.budget}
         elif mode in ("clp", "gate", "clp+verify"):
             opts = {"span_policy": span_policies[mode]}
-            mode = "clp" if mode == "gate" else mode  # the gate is a span policy in clp mode
         elif mode in ("tree", "dynamic"):
             opts = {"tree": plan[mode]}
-            mode = "verify"
         elif mode == "adaptive":
             opts = {"depth_policy": adaptive_policy(plan, cfg)}
-        return dec.generate(prompt, max_new_tokens or cfg.max_new_tokens, mode, **opts)
+        return dec.generate(prompt, max_new_tokens or cfg.max_new_tokens, EVAL_MODES[mode], **opts)
 
     span_policies = span_policies or {}
     for p in prompts[: cfg.warmup]:  # warm-up: allocator, thread pools, one-time kernels
@@ -517,16 +516,16 @@ def resolve_dtype(name: str) -> torch.dtype:
     GPU), float32 elsewhere. (On an AVX2 EPYC a bf16 SmolLM2 reads one token in 60 ms against 91
     in float32, but 16 tokens cost 5.9x one token against 1.7x, and multi-token bf16 forwards round
     differently from one-token ones, so verified output drifts from the bf16 greedy loop.)"""
-    from mtp_train.data.distill import resolve_autocast
+    from mtp_train.backbone import resolve_autocast
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_autocast(device, name)]
 
 
 def machine() -> dict:
-    from mtp_train.data.distill import _cpu_has_native_bf16
+    from mtp_train.backbone import cpu_has_native_bf16
 
-    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_bf16": _cpu_has_native_bf16(),
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_bf16": cpu_has_native_bf16(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -557,10 +556,6 @@ def _json_keys(curve: dict) -> dict:
     """The cost curve with string keys, as it reads back from eval_report.json."""
     return {**curve, "costs": {str(n): c for n, c in curve["costs"].items()},
             "spread": {str(n): v for n, v in curve["spread"].items()}}
-
-
-def _as_list(x) -> list:
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -621,7 +616,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
     ax.set_ylabel("speedup vs HF generate")
     ax.set_title("speedup per mode")
     fig.tight_layout()
-    paths.append(out_dir / "speedup.png")
+    paths.append(out_dir / SPEEDUP_PNG)
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     k = report["k"]
@@ -644,7 +639,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         a2.set_title("per-depth acceptance")
         a2.legend(fontsize=8)
         fig.tight_layout()
-        paths.append(out_dir / "acceptance.png")
+        paths.append(out_dir / ACCEPTANCE_PNG)
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     curve = (report.get("decoder") or {}).get("verify_costs")
@@ -673,13 +668,13 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         for ax in (a1, a2):
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        paths.append(out_dir / "verify_costs.png")
+        paths.append(out_dir / VERIFY_COSTS_PNG)
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
 
 
 def save_report(report: dict, out_dir: Path) -> Path:
-    path = Path(out_dir) / REPORT
+    path = Path(out_dir) / EVAL_REPORT
     write_json_atomic(path, report)
     return path

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mtp_train.choices import LOSS_NAMES
+
 __all__ = [
     "LOSSES",
     "LossOutput",
@@ -234,7 +236,7 @@ def topk_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Te
     return _reduce(-(w * log_q).sum(-1), mask, depth_weights)
 
 
-LOSSES = ("ce", "kl", "tv", "e2e_tv")
+LOSSES = LOSS_NAMES
 
 
 def compute_loss(name: str, logits: torch.Tensor, *, targets: torch.Tensor | None = None,

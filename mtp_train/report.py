@@ -16,10 +16,11 @@ import csv
 import sys
 from pathlib import Path
 
+from mtp_train import layout
 from mtp_train.artifacts import read_json as _json
+from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import MtpError
 
-REPORT = "report.md"
 # the demo's targets on SmolLM2 (held-out prompts, the whole demo within 30 minutes): issue 7's for
 # verify and CLP, issue 13's and 14's for trees (where two issues ask for the same figure, the stricter)
 TARGETS = {"verify_speedup": 1.4, "verify_tau": 1.9, "clp_speedup": 1.4, "minutes": 30.0,
@@ -159,7 +160,7 @@ def flagged_modes(report: dict | None) -> set[str]:
 
 
 def _predictor_metas(clp_root: Path) -> dict:
-    return {kind: m for kind in ("clp", "gate") if (m := _json(clp_root / kind / "clp.json"))}
+    return {kind: m for kind in PREDICTOR_KINDS if (m := _json(layout.predictor_dir(clp_root, kind) / layout.CLP_META))}
 
 
 _PROMPT_SOURCES = {"validation": "held-out prompts", "file": "prompts from eval.prompts",
@@ -180,7 +181,7 @@ def _minutes(s) -> str:
 
 def training_curves(train_dir: Path, out: Path) -> Path | None:
     """train/loss per step and val/sim_tau + val agreement per depth against step, from metrics.csv."""
-    files = sorted(train_dir.glob("csv/version_*/metrics.csv"))
+    files = layout.csv_metrics(train_dir)
     if not files:
         return None
     rows = []
@@ -223,14 +224,14 @@ def training_curves(train_dir: Path, out: Path) -> Path | None:
 
 def _data_section(train_dir: Path) -> tuple[list[str], dict]:
     """Data counts from the prepared datasets' manifests, found through the run's saved config."""
-    from mtp_train.cli.export import load_recipe
+    from mtp_train.pipeline.export import load_recipe
 
     try:
         cfg = load_recipe(train_dir)
     except MtpError:
         return ["(no saved config in the training run: data counts unknown)"], {}
     base = Path(cfg.data.output_dir)
-    lab, dis = _json(base / "labelled" / "manifest.json"), _json(base / "distilled" / "manifest.json")
+    lab, dis = _json(base / layout.LABELLED / layout.MANIFEST), _json(base / layout.DISTILLED / layout.MANIFEST)
     lines, times = [], {}
     if lab:
         lines.append(f"- original data (`{cfg.data.source}`): {lab['splits']['train']:,} train / "
@@ -241,10 +242,9 @@ def _data_section(train_dir: Path) -> tuple[list[str], dict]:
         lines.append(f"- self-distilled: {dis['splits']['train']:,} train / {dis['splits']['validation']:,} "
                      f"validation answers by the backbone, {dis['answer_tokens']['train']:,} answer tokens (train)")
         times["distill"] = dis.get("elapsed_s_this_run")
-    max_length = cfg.train.max_length or cfg.data.max_length
-    caches = [m for m in (_json(p) for p in base.glob("cache-*/manifest.json")) if m and m.get("max_length") == max_length]
-    if caches:
-        c = max(caches, key=lambda m: m.get("tokens", 0))
+    max_length = layout.max_length(cfg)
+    cache = ((_json(train_dir / layout.HEADS_META) or {}).get("recipe") or {}).get("cache")  # None: trained live
+    if cache and (c := _json(Path(cache) / layout.MANIFEST)):
         lines.append(f"- hidden-state cache: {c['tokens']:,} tokens, {c['bytes'] / 1e6:.0f} MB "
                      f"({c['bytes_per_token']:.0f} bytes/token)")
         times["cache"] = c.get("elapsed_s_this_run")
@@ -254,9 +254,9 @@ def _data_section(train_dir: Path) -> tuple[list[str], dict]:
 
 def write_report(run_root: str | Path) -> Path:
     root = Path(run_root)
-    train, clp, ev = root / "train", root / "clp", root / "eval"
-    heads = _json(train / "heads.json")
-    report = _json(ev / "eval_report.json")
+    train, clp, ev = layout.pipeline_dirs(root)
+    heads = _json(train / layout.HEADS_META)
+    report = _json(ev / layout.EVAL_REPORT)
     if heads is None and report is None:
         raise MtpError(f"{root}: no train/heads.json and no eval/eval_report.json; nothing to report")
     md = [f"# mtp-train report: {root}", ""]
@@ -277,14 +277,14 @@ def write_report(run_root: str | Path) -> Path:
         times["train"] = (heads.get("run") or {}).get("elapsed_s")
     else:
         md.append("- training: missing")
-    stage_times = _json(clp / "stage_times.json") or {}
+    stage_times = _json(clp / layout.STAGE_TIMES) or {}
     times["clp"] = sum(stage_times.values()) if stage_times else None
     times["eval"] = report.get("elapsed_s") if report else None
     md += ["", "| stage | wall time |", "|---|---|"]
     md += [f"| {k} | {_minutes(v)} |" for k, v in times.items()]
     total = sum(v for v in times.values() if v)
     md += [f"| total | {_minutes(total)} |", ""]
-    bounds = (_json(clp / "clp" / "clp.json") or {}).get("bounds")
+    bounds = (_json(layout.predictor_dir(clp, "clp") / layout.CLP_META) or {}).get("bounds")
     if rows := target_rows(report, total, bounds, _predictor_metas(clp)):
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
         md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
@@ -292,7 +292,7 @@ def write_report(run_root: str | Path) -> Path:
         if not all(r[3] for r in rows) and (why := shortfall_lines(report, heads)):
             md += ["Where the shortfall comes from (measured in this run):", "", *[f"- {w}" for w in why], ""]
 
-    png = training_curves(train, root / "training_curves.png") if heads else None
+    png = training_curves(train, root / layout.TRAINING_CURVES) if heads else None
     if png:
         md += ["## Training", "", f"![training curves]({png.name})", ""]
 
@@ -321,21 +321,21 @@ def write_report(run_root: str | Path) -> Path:
             md += [f"- {line}" for line in flags]
             md.append("")
         md += _decoder_section(report)
-        for name in ("speedup.png", "acceptance.png", "verify_costs.png"):
+        for name in layout.EVAL_PLOTS:
             if (ev / name).is_file():
-                md.append(f"![{name[:-4]}](eval/{name})")
+                md.append(f"![{name[:-4]}]({layout.EVAL_DIR}/{name})")
         md.append("")
 
-    preds = [(k, _json(clp / k / "clp.json")) for k in ("clp", "gate")]
+    preds = [(k, _json(layout.predictor_dir(clp, k) / layout.CLP_META)) for k in PREDICTOR_KINDS]
     preds = [(k, m) for k, m in preds if m]
     if preds:
-        md += ["## Span-length predictors", "", "| predictor | parameters | tau | calibrated |", "|---|---|---|---|"]
-        md += [f"| {k} | {m.get('parameters', 0):,} | {_fmt(m.get('tau'), 2)} | "
-               f"{'yes' if m.get('calibrated') else 'no tau met the bounds: accepts nothing extra'} |"
+        md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
+        md += [f"| {k} | {m.get('parameters', 0):,} | {_fmt(m.get('threshold', m.get('tau')), 2)} | "
+               f"{'yes' if m.get('calibrated') else 'no threshold met the bounds: accepts nothing extra'} |"
                for k, m in preds]
         md.append("")
 
-    outputs = _json(ev / "outputs.json")
+    outputs = _json(ev / layout.OUTPUTS)
     if outputs:
         other = next((m for m in ("clp", "gate", "verify") if m in outputs[0]), None)
         md += ["## Sample outputs", ""]
@@ -344,7 +344,7 @@ def write_report(run_root: str | Path) -> Path:
                    f"*greedy*: {_quote(row.get('greedy', row.get('hf_generate', '')))}", ""]
             if other:
                 md += [f"*{other}*: {_quote(row[other])}", ""]
-    path = root / REPORT
+    path = root / layout.REPORT
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(md) + "\n")
     tmp.replace(path)
@@ -384,7 +384,7 @@ def _quote(text: str, limit: int = 600) -> str:
 
 def summary(run_root: str | Path) -> str:
     """The lines printed at the end of `make demo`: speedup and tau per mode."""
-    report = _json(Path(run_root) / "eval" / "eval_report.json")
+    report = _json(layout.pipeline_dirs(run_root)[2] / layout.EVAL_REPORT)
     if not report:
         return "no evaluation yet"
     from mtp_train.evaluate import format_speedup
@@ -392,8 +392,8 @@ def summary(run_root: str | Path) -> str:
     lines = [f"  {mode:<12} {format_speedup(r, (report.get('details') or {}).get(mode))}  tau {r['tau']:.2f}  "
              f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}" for mode, r in report["modes"].items()]
     lines += [f"  flag: {line}" for line in report.get("flags") or []]
-    clp = Path(run_root) / "clp"
-    bounds = (_json(clp / "clp" / "clp.json") or {}).get("bounds")
+    clp = layout.pipeline_dirs(run_root)[1]
+    bounds = (_json(layout.predictor_dir(clp, "clp") / layout.CLP_META) or {}).get("bounds")
     lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"
               for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp))]
     return "\n".join(lines)

@@ -21,9 +21,8 @@ from pathlib import Path
 
 from mtp_train.artifacts import read_json, write_json_atomic
 from mtp_train.errors import MtpError
+from mtp_train.layout import HYDRA_DIR, LOCK_HOLDER, RUN_LOCK
 
-RUN_LOCK = ".mtp-run.lock"
-HOLDER = ".mtp-run.holder.json"
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +50,7 @@ def run_lock(run_dir: Path, command: str) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        h = read_json(run_dir / HOLDER) or {}
+        h = read_json(run_dir / LOCK_HOLDER) or {}
         raise MtpError(f"{run_dir}: run directory in use by pid {h.get('pid', '?')} ({h.get('command', '?')} "
                        f"on {h.get('host', '?')}, since {h.get('since', '?')}); wait for it to finish or "
                        "choose another directory (hydra.run.dir=...)") from None
@@ -61,9 +60,9 @@ def run_lock(run_dir: Path, command: str) -> Iterator[None]:
                        "on one that can (paths.output_dir / hydra.run.dir)") from None
     recipe: dict[Path, bytes] = {}
     try:
-        write_json_atomic(run_dir / HOLDER, {"pid": os.getpid(), "command": command, "host": platform.node(),
+        write_json_atomic(run_dir / LOCK_HOLDER, {"pid": os.getpid(), "command": command, "host": platform.node(),
                                              "since": time.strftime("%Y-%m-%d %H:%M:%S")})
-        recipe.update({p: p.read_bytes() for p in sorted((run_dir / ".hydra").glob("*.yaml"))})
+        recipe.update({p: p.read_bytes() for p in sorted((run_dir / HYDRA_DIR).glob("*.yaml"))})
         yield
     finally:
         for path, blob in recipe.items():
@@ -71,6 +70,6 @@ def run_lock(run_dir: Path, command: str) -> Iterator[None]:
                 path.write_bytes(blob)
                 log.warning("%s: another command started here while %s ran and wrote its config over "
                             "this run's; restored", path, command)
-        (run_dir / HOLDER).unlink(missing_ok=True)
+        (run_dir / LOCK_HOLDER).unlink(missing_ok=True)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

@@ -14,25 +14,27 @@ from pathlib import Path
 
 import yaml
 
-from mtp_train.artifacts import FAILED, read_json
+from mtp_train import layout
+from mtp_train.artifacts import read_json
 from mtp_train.errors import MtpError
+from mtp_train.layout import FAILED
 
 
 def _overrides(run: Path) -> dict[str, str]:
-    items = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []
+    items = yaml.safe_load(layout.hydra_overrides(run).read_text()) or []
     return dict(item.split("=", 1) for item in items if "=" in item)
 
 
 def gather(sweep_dir: str | Path) -> list[dict]:
     sweep_dir = Path(sweep_dir)
-    runs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
+    runs = sorted((p.parent.parent for p in sweep_dir.glob(f"*/{layout.HYDRA_DIR}/{layout.HYDRA_OVERRIDES}")),
                   key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name))
     if not runs:
         raise MtpError(f"{sweep_dir}: no sweep points here (expected <n>/.hydra/overrides.yaml)")
     rows = []
     for run in runs:
         row = {"point": run.name, "dir": str(run), "overrides": _overrides(run)}
-        meta = read_json(run / "heads.json")
+        meta = read_json(run / layout.HEADS_META)
         if (run / FAILED).is_file():
             row.update(status="failed", error=(run / FAILED).read_text().splitlines()[0][:300])
         elif meta is not None:
@@ -113,12 +115,12 @@ def report(sweep_dir: str | Path) -> dict:
     sweep_dir = Path(sweep_dir)
     rows = gather(sweep_dir)
     table = markdown_table(rows)
-    png = plot(rows, sweep_dir / "sweep_report.png")
+    png = plot(rows, sweep_dir / f"{layout.SWEEP_REPORT}.png")
     out = {"sweep_dir": str(sweep_dir), "swept": swept_keys(rows), "points": rows,
            "ok": sum(r["status"] == "ok" for r in rows),
            "failed": sum(r["status"] == "failed" for r in rows),
            "missing": sum(r["status"] == "missing" for r in rows),
            "plot": str(png) if png else None}
-    write_json_atomic(sweep_dir / "sweep_report.json", out)
-    (sweep_dir / "sweep_report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n")
+    write_json_atomic(sweep_dir / f"{layout.SWEEP_REPORT}.json", out)
+    (sweep_dir / f"{layout.SWEEP_REPORT}.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n")
     return out

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-IGNORE = -100
+from mtp_train.choices import IGNORE_INDEX
+
+IGNORE = IGNORE_INDEX
 
 
 def shift_for_depths(x: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-TREE_STATS = "tree_stats.json"
 ENTROPY_EDGES = (0.5, 1.5, 3.0)  # nats: buckets [0, .5), [.5, 1.5), [1.5, 3), [3, inf)
 
 RankPath = tuple[int, ...]

@@ -17,9 +17,9 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from mtp_train.backbone import load_backbone  # noqa: E402
-from mtp_train.cli.export import load_recipe  # noqa: E402
 from mtp_train.distributed import deepspeed_config  # noqa: E402
 from mtp_train.heads import build_heads, heads_state_dict  # noqa: E402
+from mtp_train.pipeline.export import load_recipe  # noqa: E402
 
 
 class Holder(torch.nn.Module):  # stands for the LightningModule: the heads under `heads.`

@@ -72,7 +72,7 @@ def test_long_run_trains_points_with_steps_in_proportion_and_reports_the_targets
             "validation", f"paths.root_dir={tmp_path}", "experiment=smollm2_demo", "backbone=tiny",
             "logger=none", "trainer.max_steps=4", "trainer.enable_progress_bar=false", "heads.k=2",
             "eval.max_new_tokens=8", "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4",
-            "clp.calib_prompts=1", "clp.taus=[0.5]", "clp.epochs=2"]
+            "clp.calib_prompts=1", "clp.thresholds=[0.5]", "clp.epochs=2"]
     assert long_run.main(args) == 0
     out = json.loads((tmp_path / "long" / "long_run.json").read_text())
     points = out["points"]
@@ -103,3 +103,26 @@ def test_gpu_check_script_composes_every_config_it_runs(tmp_path):
     ds = (tmp_path / "gpu" / "train_deepspeed2.compose.yaml").read_text()
     assert "DeepSpeedStrategy" in ds and "bf16-mixed" in ds
     assert "accelerator: gpu" in (tmp_path / "gpu" / "train_gpu.compose.yaml").read_text()
+
+
+def test_length_batches_bench_times_both_orders_and_grouping_pads_less(tmp_path, monkeypatch, capsys):
+    import length_batches
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--steps", "2", "--rounds", "2", f"paths.root_dir={tmp_path}", "backbone=tiny", "heads.k=2",
+            "train.length_window=4", "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4"]
+    assert length_batches.main(args) == 0
+    out = capsys.readouterr().out
+    pads = {line.split()[0]: float(line.split("(epoch)")[1].split()[0])
+            for line in out.splitlines() if "padded slots" in line}
+    assert set(pads) == {"random", "length_window=4"} and pads["length_window=4"] < pads["random"]
+    assert "CPU:" in out and "step time ratio (random / grouped)" in out
+
+
+def test_padded_slots_counts_each_batch_at_its_longest_row():
+    from length_batches import padded_slots
+
+    lengths = [5, 1, 3, 3, 2]
+    # batches [0, 1], [2, 3], [4] -> 2 * 5 + 2 * 3 + 1 * 2 slots for 14 real tokens
+    assert padded_slots(lengths, [0, 1, 2, 3, 4], 2) == (18, 14)
+    assert padded_slots(lengths, [0, 2, 3, 4, 1], 2) == (17, 14)

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_train.cli.prep import cache_location, data_dirs, run_prep
-from mtp_train.data import cache as cache_mod
+from data_prep import cache as cache_mod
+from data_prep.stages import run_prep
+from mtp_train.layout import data_dirs
+from mtp_train.pipeline.prepared import cache_location
 
 FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
@@ -79,7 +81,8 @@ def test_losses_from_the_cache_equal_the_live_ones(cached, loss, draft):
 
 
 def test_cache_is_keyed_and_used_only_for_matching_inputs(cached, typed_cfg, caplog):
-    from mtp_train.cli.train import open_cache, run_train
+    from mtp_train.pipeline.prepared import open_cache
+    from tests.helpers import run_train
 
     cfg, backbone, path = cached
     assert open_cache(cfg, backbone) is not None
@@ -140,8 +143,8 @@ def test_distilled_states_are_reused_and_equal_a_fresh_forward(typed_cfg, tmp_pa
     """Distillation keeps the states generate computed; the cache copies them. Both must equal
     the cache's own forward over the same rows (computed here with `known=None`)."""
     from mtp_train.backbone import load_backbone
-    from mtp_train.cli.prep import cache_compute
     from mtp_train.lit.data import load_splits
+    from mtp_train.pipeline.prepared import cache_compute
 
     cfg = typed_cfg(*FAST)
     for stage in ("data", "distill"):
@@ -181,8 +184,8 @@ def test_a_killed_data_stage_publishes_nothing_and_the_rerun_gives_the_same_rows
 
     from datasets import load_from_disk
 
-    import mtp_train.data.build as build_mod
-    from mtp_train.cli.prep import labelled_dir
+    import data_prep.build as build_mod
+    from mtp_train.layout import labelled_dir
 
     cfg = dataclasses.replace(typed_cfg(*FAST), stage="data")
     run_prep(cfg)

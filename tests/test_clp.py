@@ -23,12 +23,12 @@ from mtp_train.errors import MtpError
 
 @pytest.mark.parametrize("d,k,n", [(1536, 2, 4611), (1536, 4, 7685), (576, 3, 2308)])
 def test_the_linear_clp_has_d_times_k_plus_one_plus_k_plus_one_parameters(d, k, n):
-    assert count_parameters(LinearCLP(d, k)) == n == d * (k + 1) + (k + 1)
-    assert count_parameters(LinearCLP(d, k, use_head_probs=True)) == (d + k) * (k + 1) + (k + 1)
+    assert count_parameters(LinearCLP(d, k))["total"] == n == d * (k + 1) + (k + 1)
+    assert count_parameters(LinearCLP(d, k, use_head_probs=True))["total"] == (d + k) * (k + 1) + (k + 1)
 
 
 def test_the_gate_baseline_is_about_a_million_parameters():
-    n = count_parameters(GateMLP(576, 3))
+    n = count_parameters(GateMLP(576, 3))["total"]
     assert 0.97e6 < n < 1.03e6
     assert isinstance(build_predictor("gate", 576, 3), GateMLP)
     with pytest.raises(MtpError, match="clp.kind"):
@@ -88,7 +88,7 @@ def test_a_weighted_fit_overstates_long_spans_until_its_weights_are_undone():
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from mtp_train.lit.clp import SpanFitModule
+    from mtp_train.lit.predictor import SpanFitModule
 
     g = torch.Generator().manual_seed(0)
     n = 4000
@@ -114,11 +114,11 @@ def test_a_weighted_fit_overstates_long_spans_until_its_weights_are_undone():
 def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
     torch.manual_seed(0)
     pred = LinearCLP(16, 3, use_head_probs=True)
-    save_predictor(tmp_path, pred, {"backbone": "tiny-llama", "tau": 0.4})
+    save_predictor(tmp_path, pred, {"backbone": "tiny-llama", "threshold": 0.4})
     back, meta = load_predictor(tmp_path, 16, 3, "tiny-llama")
     h, p = torch.randn(16), torch.rand(3)
     assert SpanPolicy(back, 0.4)(h, p) == SpanPolicy(pred, 0.4)(h, p)
-    assert meta["parameters"] == count_parameters(pred) and meta["kind"] == "clp"
+    assert meta["parameters"] == count_parameters(pred)["total"] and meta["kind"] == "clp"
     with pytest.raises(MtpError, match="hidden_size=16"):
         load_predictor(tmp_path, 32, 3)
     with pytest.raises(MtpError, match="k=3"):
@@ -128,17 +128,17 @@ def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
 
 
 @pytest.mark.bad_input
-def test_pick_tau_takes_the_fastest_within_bounds_and_refuses_when_none():
-    from mtp_train.clp import pick_tau
+def test_pick_threshold_takes_the_fastest_within_bounds_and_refuses_when_none():
+    from mtp_train.clp import pick_threshold
 
     greedy = {"tokens_per_s": 10.0, "repetition_ratio": 0.10, "backbone_nll": 1.00}
     # lower tau: faster, but repetition and NLL grow
-    rows = [{"tau": t, "tokens_per_s": 10 + 10 * (1 - t), "repetition_ratio": 0.10 + 0.05 * (1 - t),
+    rows = [{"threshold": t, "tokens_per_s": 10 + 10 * (1 - t), "repetition_ratio": 0.10 + 0.05 * (1 - t),
              "backbone_nll": 1.0 + 0.3 * (1 - t)} for t in (0.9, 0.8, 0.7, 0.6, 0.5)]
     # repetition bound 0.02 allows 1 - t <= 0.4; NLL bound 0.10 allows 1 - t <= 0.333
-    assert pick_tau(rows, greedy, 0.02, 0.10)["tau"] == 0.7
-    assert pick_tau(rows, greedy, 0.02, 1.0)["tau"] == 0.6
-    assert pick_tau(rows, greedy, 0.001, 0.10) is None  # nothing meets the bounds: the caller keeps 1.0
+    assert pick_threshold(rows, greedy, 0.02, 0.10)["threshold"] == 0.7
+    assert pick_threshold(rows, greedy, 0.02, 1.0)["threshold"] == 0.6
+    assert pick_threshold(rows, greedy, 0.001, 0.10) is None  # nothing meets the bounds: the caller keeps 1.0
 
 
 class OracleDrafter:
@@ -294,12 +294,24 @@ def test_a_predictor_with_non_finite_weights_is_never_written_nor_loaded(tmp_pat
     with torch.no_grad():
         pred.net.weight[1, 2] = float("nan")
     with pytest.raises(MtpError, match=r"clp.safetensors: not written, the fit diverged: net.weight has 1 non-finite"):
-        save_predictor(tmp_path / "p", pred, {"tau": 1.0})
+        save_predictor(tmp_path / "p", pred, {"threshold": 1.0})
     assert not (tmp_path / "p").exists()
     good = LinearCLP(8, 3)
-    save_predictor(tmp_path / "q", good, {"tau": 1.0})
+    save_predictor(tmp_path / "q", good, {"threshold": 1.0})
     state = {n: t.clone() for n, t in good.state_dict().items()}
     state["net.bias"][0] = float("inf")
     save_file(state, str(tmp_path / "q" / "clp.safetensors"))
     with pytest.raises(MtpError, match=r"q/clp.safetensors: net.bias has 1 non-finite values of 4"):
         load_predictor(tmp_path / "q", 8, 3)
+
+
+def test_a_predictor_saved_before_the_rename_keeps_its_threshold(tmp_path):
+    """clp.json files written when the threshold was called "tau" are read as they are."""
+    from mtp_train.errors import MtpError
+    from mtp_train.pipeline.evaluation import predictor_threshold
+
+    assert predictor_threshold({"threshold": 0.8}, tmp_path) == 0.8
+    assert predictor_threshold({"tau": 0.7}, tmp_path) == 0.7
+    assert predictor_threshold({"threshold": 0.6, "tau": 0.9}, tmp_path) == 0.6
+    with pytest.raises(MtpError, match="no threshold"):
+        predictor_threshold({}, tmp_path)

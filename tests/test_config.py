@@ -11,8 +11,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from mtp_train.cli.common import CONF_DIR
 from mtp_train.config import validate
+from mtp_train.entry import CONF_DIR
 from mtp_train.errors import ConfigError
 
 EXPERIMENTS = sorted(p.stem for p in Path(CONF_DIR, "experiment").glob("*.yaml"))
@@ -22,22 +22,61 @@ NEEDS = {("backbone", "hf"): ["backbone.name=my-llm", "backbone.path=/models/llm
          ("data", "jsonl"): ["data.path=/tmp/x.jsonl"], ("data", "disk"): ["data.path=/tmp/ds"]}
 
 
-def test_experiments_exist():
+def _leaves(node, prefix: str = "") -> dict:
+    """Dotted key -> value of every plain leaf of a YAML file's content (interpolations, required
+    values and the defaults list left out)."""
+    out = {}
+    for key, value in (node or {}).items():
+        if key == "defaults" or (isinstance(value, str) and ("${" in value or value == "???")):
+            continue
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _file_leaves(path: Path, package: str) -> dict:
+    from omegaconf import OmegaConf  # reads numbers as Hydra does (PyYAML takes 1e-3 for a string)
+
+    if "# @package _global_" in path.read_text():
+        package = ""
+    content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return _leaves(content, f"{package}." if package else "")
+
+
+def _assert_applied(cfg, leaves: dict) -> None:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cfg)
+    for key, value in leaves.items():
+        got = OmegaConf.select(node, key)
+        assert got == value or (isinstance(value, (int, float)) and got == pytest.approx(value)), \
+            f"{key}: the file sets {value!r}, the composed config has {got!r}"
+
+
+def test_the_demo_experiment_is_the_default_and_the_makefile_runs_it():
     assert "smollm2_demo" in EXPERIMENTS
+    assert "experiment: smollm2_demo" in Path(CONF_DIR, "config.yaml").read_text()
+    assert "experiment=smollm2_demo" in Path(CONF_DIR).parent.joinpath("Makefile").read_text()
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 @pytest.mark.parametrize("backbone", ["smollm2", "tiny"])
-def test_every_experiment_composes_and_validates(compose_cfg, experiment, backbone):
+def test_every_experiment_composes_and_its_values_win(compose_cfg, experiment, backbone):
+    """Each value an experiment file sets is the composed value (the overlay comes last), also
+    with backbone=tiny switching the data source."""
     cfg = validate(compose_cfg(f"experiment={experiment}", f"backbone={backbone}"))
     assert cfg.experiment_name == experiment
-    assert cfg.heads.k >= 1
+    _assert_applied(cfg, _file_leaves(Path(CONF_DIR, "experiment", f"{experiment}.yaml"), ""))
 
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
-def test_every_group_option_composes(compose_cfg, group, option):
-    cfg = validate(compose_cfg(f"{group}={option}", *NEEDS.get((group, option), [])))
-    assert cfg is not None
+def test_every_group_option_composes_with_its_values(compose_cfg, group, option):
+    """Without the default experiment's overlay, each value the option's file sets is composed."""
+    cfg = validate(compose_cfg("~experiment", f"{group}={option}", *NEEDS.get((group, option), [])))
+    if group not in ("trainer", "logger"):  # free-form sections: instantiated, not schema'd
+        _assert_applied(cfg, _file_leaves(Path(CONF_DIR, group, f"{option}.yaml"), group))
 
 
 def test_default_is_the_demo_on_smollm2_and_sharegpt(typed_cfg):
@@ -134,7 +173,7 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(compose_cfg, add
 
 @pytest.mark.bad_input
 def test_the_cli_refuses_an_added_unknown_key_in_one_line(tmp_path):
-    r = _run("mtp_train.cli.prep", "backbone=tiny", "+heads.foo=3", cwd=tmp_path)
+    r = _run("data_prep.cli", "backbone=tiny", "+heads.foo=3", cwd=tmp_path)
     assert r.returncode == 2 and "heads.foo: not a config key" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout and not (tmp_path / "data").exists()
 
@@ -146,7 +185,7 @@ def _run(*args, cwd):
 
 @pytest.mark.bad_input
 def test_cli_bad_value_is_one_clear_line(tmp_path):
-    r = _run("mtp_train.cli.prep", "backbone=tiny", "heads.k=0", cwd=tmp_path)
+    r = _run("data_prep.cli", "backbone=tiny", "heads.k=0", cwd=tmp_path)
     assert r.returncode == 2
     assert "heads.k: must be >= 1" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
@@ -154,15 +193,15 @@ def test_cli_bad_value_is_one_clear_line(tmp_path):
 
 @pytest.mark.bad_input
 def test_cli_unknown_stage_names_the_key(tmp_path):
-    r = _run("mtp_train.cli.prep", "backbone=tiny", "stage=train", cwd=tmp_path)
+    r = _run("data_prep.cli", "backbone=tiny", "stage=train", cwd=tmp_path)
     assert r.returncode == 2
     assert "stage: mtp-prep has no stage 'train'" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
 
 
-@pytest.mark.parametrize("module", ["prep", "train", "clp", "eval"])
+@pytest.mark.parametrize("module", ["data_prep.cli", "mtp_train.cli.train", "mtp_train.cli.clp", "mtp_train.cli.eval"])
 def test_every_entry_point_composes_the_config(tmp_path, module):
-    r = _run(f"mtp_train.cli.{module}", "backbone=tiny", "--cfg", "job", cwd=tmp_path)
+    r = _run(module, "backbone=tiny", "--cfg", "job", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "tiny-llama" in r.stdout and "experiment_name: smollm2_demo" in r.stdout
 
@@ -207,7 +246,7 @@ def test_a_cuda_device_without_cuda_is_refused_naming_the_key(monkeypatch):
 def test_sigterm_exits_143_with_a_line_saying_how_to_resume(compose_cfg, capsys):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from mtp_train.cli.common import entry
+    from mtp_train.entry import entry
 
     def task(cfg, typed):
         raise SIGTERMException  # what Lightning raises when the process gets SIGTERM
@@ -222,7 +261,7 @@ def test_sigterm_exits_143_with_a_line_saying_how_to_resume(compose_cfg, capsys)
 def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
     import errno
 
-    from mtp_train.cli.common import entry
+    from mtp_train.entry import entry
 
     def task(cfg, typed):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/run/heads.safetensors.tmp")
@@ -232,3 +271,12 @@ def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: /data/run/heads.safetensors.tmp: No space left on device")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("old,new", [("clp.taus=[0.9]", "clp.thresholds"), ("eval.span_tau=0.5", "eval.span_threshold")])
+def test_the_clp_threshold_keys_renamed_from_tau_are_refused_naming_the_new_one(compose_cfg, old, new):
+    """tau is the mean accepted length; the CLP probability threshold has its own name now."""
+    with pytest.raises(ConfigError, match=rf"{old.split('=')[0]}: renamed to {new}"):
+        validate(compose_cfg(old))
+    validate(compose_cfg(f"{new}={old.split('=')[1]}"))  # the new key takes the same value

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from data_prep import distill as distill_mod
+from data_prep.build import prepare_dataset
 from mtp_train.config import DataConfig, DistillConfig
-from mtp_train.data import distill as distill_mod
-from mtp_train.data.build import prepare_dataset
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
 

@@ -23,6 +23,7 @@ from mtp_train.distributed import (
 )
 from mtp_train.errors import ConfigError
 from mtp_train.lit.data import RankSlice, ResumableSampler
+from tests.helpers import prep_cli
 
 BIN = Path(sys.executable).parent
 TINY = ["backbone=tiny", "logger=csv", "trainer.max_steps=10", "trainer.val_check_interval=5",
@@ -206,8 +207,8 @@ def test_deepspeeds_own_records_load_under_the_weights_only_rule(tmp_path):
 def test_a_planted_pickle_in_a_zero_checkpoint_is_refused_and_never_runs(tmp_path, where, planted):
     """The layout DeepSpeed reads (`latest` naming a tag, per-rank files under it) with a payload in
     one file: export refuses it with the object's name, and the payload never runs."""
-    from mtp_train.cli.export import checkpoint_state
     from mtp_train.errors import MtpError
+    from mtp_train.pipeline.export import checkpoint_state
 
     ckpt, (payload, marker) = tmp_path / "last.ckpt", planted
     (ckpt / "tag").mkdir(parents=True)
@@ -233,6 +234,7 @@ def test_heads_from_module_state_strips_any_wrapper_prefix():
 # --- runs ----------------------------------------------------------------------------------------
 
 def _train(tmp_path, run, *overrides, timeout=900):
+    prep_cli(*TINY, f"paths.root_dir={tmp_path}", *overrides, cwd=tmp_path)
     r = subprocess.run([str(BIN / "mtp-train"), *TINY, f"paths.root_dir={tmp_path}",
                         f"hydra.run.dir={tmp_path / run}", *overrides],
                        capture_output=True, text=True, timeout=timeout, cwd=tmp_path)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from mtp_train.cli.eval import run_eval
 from mtp_train.errors import MtpError
 from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
+from tests.helpers import run_eval
 
 CORE_KEYS = {"tau", "alpha", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
              "greedy_match_rate", "identical_to_greedy", "n_prompts", "new_tokens", "speedup_vs_best_hf"}
@@ -44,9 +44,9 @@ def test_backbone_nll_equals_a_token_by_token_loop(tiny_backbone):
 def trained_heads(tmp_path_factory):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.cli.common import CONF_DIR
-    from mtp_train.cli.train import run_train
     from mtp_train.config import validate
+    from mtp_train.entry import CONF_DIR
+    from tests.helpers import run_train
 
     root = tmp_path_factory.mktemp("eval")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -59,8 +59,8 @@ def trained_heads(tmp_path_factory):
 def _eval_cfg(root, *overrides):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.cli.common import CONF_DIR
     from mtp_train.config import validate
+    from mtp_train.entry import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return validate(compose("config", overrides=[
@@ -137,9 +137,9 @@ def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_t
 
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.cli.common import CONF_DIR
-    from mtp_train.cli.train import run_train
     from mtp_train.config import validate
+    from mtp_train.entry import CONF_DIR
+    from tests.helpers import run_train
 
     root = trained_heads
     old = tmp_path / "train"
@@ -201,25 +201,25 @@ def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
 def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypatch):
     import shutil
 
-    from mtp_train.cli.clp import run_clp
+    from mtp_train.pipeline.clp_run import run_clp
 
     root = trained_heads
     clp_args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=3", "clp.max_new_tokens=16", "clp.epochs=3",
-                "clp.calib_prompts=2", "clp.taus=[0.9,0.5]", "eval.max_new_tokens=12",
+                "clp.calib_prompts=2", "clp.thresholds=[0.9,0.5]", "eval.max_new_tokens=12",
                 f"clp.heads={root}/train"]
     cfg = _eval_cfg(root, *clp_args, f"paths.output_dir={root}/clp")
     res = run_clp(cfg)
     assert sum(res["label"]["label_histogram"]) == res["label"]["rows"] > 0
     assert set(res["fit"]) == {"clp", "gate"} and set(res["calibrate"]) == {"clp", "gate"}
     meta = json.loads((root / "clp" / "clp" / "clp.json").read_text())
-    assert meta["parameters"] == 64 * 3 + 3 and meta["tau"] in (0.9, 0.5, 1.0) and "calibration" in meta
-    # a rerun skips every finished stage (and keeps their wall times); other taus recalibrate only
+    assert meta["parameters"] == 64 * 3 + 3 and meta["threshold"] in (0.9, 0.5, 1.0) and "calibration" in meta
+    # a rerun skips every finished stage (and keeps their wall times); other thresholds recalibrate only
     times = json.loads((root / "clp" / "stage_times.json").read_text())
     again = run_clp(cfg)
     assert again["label"] == res["label"]
     assert all(r["skipped"] for stage in ("fit", "calibrate") for r in again[stage].values())
     assert json.loads((root / "clp" / "stage_times.json").read_text()) == times
-    retuned = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.taus=[0.9,0.6]", f"clp.heads={root}/train",
+    retuned = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.9,0.6]", f"clp.heads={root}/train",
                                 f"paths.output_dir={root}/clp"))
     assert all(r["skipped"] for r in retuned["fit"].values())
     assert not any(r["skipped"] for r in retuned["calibrate"].values())
@@ -239,10 +239,10 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert set(report["modes"]["clp"]) == CORE_KEYS
     _check_pipeline_report(root, report)
     assert report["predictors"]["gate"]["parameters"] > 100 * report["predictors"]["clp"]["parameters"]
-    # eval.span_tau maps the trade-off at a tau of one's choosing; clp+verify stays lossless
+    # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp={root}/clp/clp",
-                                "eval.span_tau=0.05"))
-    assert report["predictors"]["clp"]["tau"] == 0.05 == report["predictors"]["clp+verify"]["tau"]
+                                "eval.span_threshold=0.05"))
+    assert report["predictors"]["clp"]["threshold"] == 0.05 == report["predictors"]["clp+verify"]["threshold"]
     assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
     # labels made with other heads are refused by the fit stage
     other = root / "other"
@@ -256,7 +256,7 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
                           "stage=fit"))
     # and a predictor fitted for other heads is neither recalibrated nor used with these
     with pytest.raises(MtpError, match=r"clp: fitted on the labels of other heads than clp.heads="):
-        run_clp(_eval_cfg(root, *clp_args[:-1], "clp.taus=[0.7]", f"clp.heads={other}",
+        run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.7]", f"clp.heads={other}",
                           f"paths.output_dir={root}/clp", "stage=calibrate"))
     with pytest.raises(MtpError, match=r"^eval.clp: .* was fitted on the acceptance of other heads"):
         run_eval(_eval_cfg(root, "eval.modes=[greedy,clp]", f"eval.heads={other}", f"eval.clp={root}/clp/clp",
@@ -268,10 +268,10 @@ class _Killed(Exception):
 
 
 def _deterministic_calibration(meta: dict) -> list:
-    """What a calibration measured apart from wall time: per tau, accepted length, repetition, NLL."""
+    """What a calibration measured apart from wall time: per threshold, accepted length, repetition, NLL."""
     cal = meta["calibration"]
     keep = ("accepted_length", "repetition_ratio", "backbone_nll")
-    return [[round(r[k], 9) for k in keep] for r in [cal["greedy"], *cal["taus"]]]
+    return [[round(r[k], 9) for k in keep] for r in [cal["greedy"], *cal["thresholds"]]]
 
 
 @pytest.mark.bad_input
@@ -281,11 +281,11 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
     ends where an uninterrupted run ends."""
     import mtp_train.clp as clp_mod
     import mtp_train.data.labels as labels_mod
-    from mtp_train.cli.clp import run_clp
+    from mtp_train.pipeline.clp_run import run_clp
 
     root = trained_heads
     args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=2", "clp.max_new_tokens=12",
-            "clp.epochs=2", "clp.calib_prompts=2", "clp.taus=[0.9,0.5]", "eval.max_new_tokens=10",
+            "clp.epochs=2", "clp.calib_prompts=2", "clp.thresholds=[0.9,0.5]", "eval.max_new_tokens=10",
             f"clp.heads={root}/train"]
     run_clp(_eval_cfg(root, *args, f"paths.output_dir={root}/clp_straight"))
 
@@ -306,7 +306,7 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
         return wrapped
 
     cases = {"label": (labels_mod, "publish_dir", 2), "fit": (clp_mod, "save_predictor", 2),
-             "calibrate": (clp_mod, "sweep_tau", 2)}
+             "calibrate": (clp_mod, "sweep_thresholds", 2)}
     for stage, (module, name, n) in cases.items():
         out = root / f"clp_killed_in_{stage}"
         with monkeypatch.context() as m:
@@ -324,7 +324,7 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
             assert "calibration" not in json.loads((out / "gate" / "clp.json").read_text())
         decodes, published = [], []
         with monkeypatch.context() as m:
-            m.setattr(clp_mod, "sweep_tau", counting(clp_mod.sweep_tau, decodes))
+            m.setattr(clp_mod, "sweep_thresholds", counting(clp_mod.sweep_thresholds, decodes))
             m.setattr(labels_mod, "publish_dir", counting(labels_mod.publish_dir, published))
             again = run_clp(_eval_cfg(root, *args, f"paths.output_dir={out}"))
         if stage == "label":  # the two missing shards, then the labels dataset
@@ -395,21 +395,6 @@ def _check_pipeline_report(root, report):
     assert "| train |" in page and "| clp |" in page
 
 
-def test_report_training_curves_from_the_csv_logger(tmp_path):
-    from mtp_train.report import training_curves, write_report
-
-    run = tmp_path / "train" / "csv" / "version_0"
-    run.mkdir(parents=True)
-    lines = ["epoch,step,train/loss_step,val/loss,val/sim_tau,val/agree_d1,val/agree_d2"]
-    lines += [f"0,{s},{1 - s / 100},,,," for s in range(0, 40, 10)]
-    lines += ["0,39,,0.7,1.3,0.2,0.1"]
-    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
-    png = training_curves(tmp_path / "train", tmp_path / "curves.png")
-    assert png.stat().st_size > 5000
-    with pytest.raises(MtpError, match="nothing to report"):
-        write_report(tmp_path / "empty")
-
-
 def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_text(trained_heads, tmp_path):
     """The cache route (teacher-forced drafts on the backbone's own greedy text) gives, at every
     step of a verify decode, the label m* that the decode itself records."""
@@ -417,11 +402,11 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
     from datasets import load_from_disk
 
     from mtp_train.backbone import load_backbone
-    from mtp_train.cli.prep import labelled_dir
     from mtp_train.data.labels import labels_from_cache
     from mtp_train.decoding import Decoder
     from mtp_train.evaluate import held_out_prompts
     from mtp_train.heads import load_heads
+    from mtp_train.layout import labelled_dir
     from mtp_train.targets import IGNORE
 
     root = trained_heads
@@ -488,9 +473,10 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
     import numpy as np
     from datasets import load_from_disk
 
+    from data_prep.stages import run_prep
     from mtp_train.backbone import load_backbone
-    from mtp_train.cli.clp import distilled_cache, run_clp
-    from mtp_train.cli.prep import distilled_dir, run_prep
+    from mtp_train.layout import distilled_dir
+    from mtp_train.pipeline.clp_run import distilled_cache, run_clp
 
     root = trained_heads
     over = ["clp.label_source=cache", f"clp.heads={root}/train", "stage=label",
@@ -505,9 +491,9 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
         h = np.asarray(cache.row(split, first + int(ds["prompt"][r])), dtype=np.float32)
         assert np.abs(h - ds["hidden"][r]).sum(-1).min() < 1e-4
     # tau is calibrated on prompts whose answers the predictor was not fitted on
-    from mtp_train.cli.clp import calibration_prompts, held_out_by_fit
-    from mtp_train.cli.prep import labelled_dir
     from mtp_train.evaluate import held_out_prompts
+    from mtp_train.layout import labelled_dir
+    from mtp_train.pipeline.clp_run import calibration_prompts, held_out_by_fit
     from mtp_train.targets import IGNORE
 
     def prompt_of(row):
@@ -521,23 +507,6 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
         assert [tuple(c) for c in calib] == [prompt_of(rows[first + p]) for p in held]
     else:
         assert calib == held_out_prompts(labelled_dir(cfg))[:50]
-
-
-def test_report_targets_say_met_only_when_every_condition_holds():
-    from mtp_train.report import target_rows
-
-    def mode(speed, tau, rep=0.2, nll=0.6, same=True):
-        return {"speedup_vs_hf": speed, "tau": tau, "repetition_ratio": rep, "backbone_nll": nll,
-                "identical_to_greedy": same}
-
-    good = {"modes": {"greedy": mode(1.0, 1.0), "verify": mode(1.5, 2.0), "clp": mode(1.45, 1.8, 0.21, 0.65)}}
-    assert [met for *_, met in target_rows(good, 29 * 60)] == [True, True, True, True]
-    bad = {"modes": {"greedy": mode(1.0, 1.0), "verify": mode(1.5, 2.0, same=False),
-                     "clp": mode(1.6, 1.9, 0.25, 0.65)}}  # lossy "verify"; clp repeats +0.05
-    rows = target_rows(bad, 31 * 60)
-    assert [met for *_, met in rows] == [False, True, False, False]
-    assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2]
-    assert target_rows(bad, None, {"max_repetition_increase": 0.06})[2][3] is True  # the run's own bounds
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -614,9 +583,9 @@ def _decoding_log(monkeypatch):
 
 def _tiny_run(root):
     from mtp_train.backbone import load_backbone
-    from mtp_train.cli.prep import labelled_dir
     from mtp_train.evaluate import held_out_prompts
     from mtp_train.heads import load_heads
+    from mtp_train.layout import labelled_dir
 
     cfg = _eval_cfg(root, "eval.modes=[greedy,verify]", "eval.warmup=0", "eval.rounds=2")
     backbone = load_backbone(cfg.backbone)
@@ -675,71 +644,6 @@ def _mode(speed, tau, rep=0.2, nll=0.6, same=True):
             "identical_to_greedy": same}
 
 
-def test_report_targets_never_met_by_a_flagged_mode_or_an_uncalibrated_predictor():
-    from mtp_train.report import target_rows
-
-    good = {"modes": {"greedy": _mode(1.0, 1.0), "verify": _mode(1.5, 2.0), "clp": _mode(1.45, 1.8, 0.21, 0.65)}}
-    assert [met for *_, met in target_rows(good, None)] == [True, True, True]
-    # verify at 3x with tau 2 on a machine where greedy is HF's speed: beyond 1.15 * 2 = 2.3x
-    loaded = {"modes": {**good["modes"], "verify": _mode(3.0, 2.0)},
-              "flags": ["verify: speedup 3.00x exceeds what tau 2.00 allows (<= 2.30x); the machine was probably loaded"]}
-    rows = target_rows(loaded, None)
-    assert [met for *_, met in rows] == [False, False, True] and "flagged" in rows[0][2]
-    loaded.pop("flags")  # a report without flags: the bound is recomputed
-    assert [met for *_, met in target_rows(loaded, None)] == [False, False, True]
-    fast_clp = {"modes": {**good["modes"], "clp": _mode(4.33, 1.5, 0.2, 0.6)}}
-    assert target_rows(fast_clp, None)[2][3] is False
-    # clp whose predictor is not calibrated, or that commits nothing beyond greedy: never met
-    uncal = {**good, "predictors": {"clp": {"parameters": 195, "tau": 1.0, "calibrated": False}}}
-    rows = target_rows(uncal, None)
-    assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
-    meta_says = target_rows(good, None, predictors={"clp": {"calibrated": False}})  # clp.json
-    assert meta_says[2][2] == "not calibrated (accepts nothing)" and meta_says[2][3] is False
-    assert target_rows(good, None, predictors={"clp": {"calibrated": True}})[2][3] is True
-    idle = {"modes": {**good["modes"], "clp": _mode(1.45, 1.005)},
-            "predictors": {"clp": {"calibrated": True}}}
-    rows = target_rows(idle, None)
-    assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
-
-
-def test_report_page_shows_spread_and_flags_and_summary_says_not_met(tmp_path):
-    from mtp_train.report import summary, write_report
-
-    def details(rounds, bound):
-        return {"speedup_rounds": rounds, "speedup_spread": [min(rounds), max(rounds)],
-                "wall_s_rounds": [1.0] * len(rounds), "plausible_max_speedup": bound, "accept_hist": [1]}
-
-    modes = {"hf_generate": _mode(1.0, 1.0), "greedy": _mode(1.0, 1.0), "verify": _mode(1.21, 1.9),
-             "clp": _mode(4.33, 1.5)}
-    for m in modes.values():
-        m.update(tokens_per_s=10.0, alpha=[0.5], greedy_match_rate=1.0, n_prompts=2, new_tokens=20)
-    flag = "clp: speedup 4.33x exceeds what tau 1.50 allows (<= 1.73x); the machine was probably loaded"
-    report = {"modes": modes, "k": 1, "step_cost": 1.05, "sim_tau": None, "rounds": 3, "flags": [flag],
-              "prompt_source": "unseen", "max_new_tokens": 10, "elapsed_s": 5.0,
-              "predictors": {"clp": {"parameters": 195, "tau": 0.5, "calibrated": True}},
-              "details": {"hf_generate": details([1.0, 1.0, 1.0], None), "greedy": details([0.9, 1.0, 1.1], None),
-                          "verify": details([1.15, 1.21, 1.30], 2.19), "clp": details([4.0, 4.33, 4.5], 1.725)}}
-    (tmp_path / "eval").mkdir()
-    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
-    page = write_report(tmp_path).read_text()
-    assert "| verify | 1.21x (1.15-1.30) |" in page and "| hf_generate | 1.00x (1.00-1.00) |" in page
-    assert f"- {flag}" in page and "unseen prompts" in page and "median of 3 timing rounds" in page
-    assert "(tau 1.50), speedup implausible (flagged) | **no** |" in page
-    text = summary(tmp_path)
-    assert f"flag: {flag}" in text and "1.21x (1.15-1.30)" in text
-    assert "target NOT met: clp" in text and "target met: clp" not in text
-    # an uncalibrated clp.json next to the report: "not calibrated (accepts nothing)", never met
-    (tmp_path / "clp" / "clp").mkdir(parents=True)
-    (tmp_path / "clp" / "clp" / "clp.json").write_text(json.dumps({"tau": 1.0, "calibrated": False}))
-    report["predictors"] = {}
-    report["flags"], report["modes"]["clp"] = [], _mode(1.5, 1.3) | {"tokens_per_s": 1.0, "alpha": [0.2],
-                                                                      "greedy_match_rate": 0.5}
-    report["details"]["clp"]["plausible_max_speedup"] = 1.5
-    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
-    assert "not calibrated (accepts nothing) | **no** |" in write_report(tmp_path).read_text()
-    assert "target NOT met: clp: speedup within its quality bounds" in summary(tmp_path)
-
-
 def test_print_table_shows_the_spread_and_the_flags(capsys):
     from mtp_train.evaluate import format_speedup, print_table
 
@@ -775,11 +679,12 @@ def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_pat
     import random
 
     import mtp_train.data.template as template_mod
+    from data_prep.stages import run_prep
     from mtp_train.backbone import load_backbone
-    from mtp_train.cli.eval import eval_key, select_prompts
-    from mtp_train.cli.prep import labelled_dir, run_prep
     from mtp_train.data.template import render_prompt
     from mtp_train.evaluate import dataset_ids
+    from mtp_train.layout import labelled_dir
+    from mtp_train.pipeline.evaluation import eval_key, select_prompts
 
     rows = []
     for i in range(14):
@@ -795,8 +700,8 @@ def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_pat
     def cfg_of(*extra):
         from hydra import compose, initialize_config_dir
 
-        from mtp_train.cli.common import CONF_DIR
         from mtp_train.config import validate
+        from mtp_train.entry import CONF_DIR
 
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             return validate(compose("config", overrides=[
@@ -833,29 +738,6 @@ def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_pat
     assert [r["prompt"] for r in saved] == [tok.decode(p) for p in expected[:3]]
 
 
-def test_report_tree_targets_and_the_shortfall_explanation():
-    from mtp_train.report import TARGETS, shortfall_lines, target_rows
-
-    def mode(speed, tau):
-        return {"speedup_vs_hf": speed, "tau": tau, "identical_to_greedy": True, "speedup_vs_best_hf": speed}
-
-    report = {"modes": {"verify": mode(1.1, 1.4), "tree": mode(1.2, 1.6)},
-              "decoder": {"trees": {"candidates": [
-                  {"label": "tree4", "nodes": 4, "predicted_tau": 1.6, "verify_cost": 1.0, "draft_cost": 0.1},
-                  {"label": "tree63", "nodes": 63, "predicted_tau": 2.3, "verify_cost": 3.0, "draft_cost": 0.4}]}}}
-    rows = {what: met for what, _, _, met in target_rows(report, None)}
-    assert rows["tree: tau"] is False and rows["tree: speedup vs HF generate (same dtype), identical output"] is False
-    report["modes"]["tree"] = mode(TARGETS["tree_speedup"], TARGETS["tree_tau"])
-    rows = {what: met for what, _, _, met in target_rows(report, None)}
-    assert rows["tree: tau"] is True and rows["tree: speedup vs HF generate (same dtype), identical output"] is True
-    heads = {"k": 2, "metrics": {"val/agree_d1": 0.3, "val/agree_d2": 0.2, "val/sim_tau": 1.36}}
-    why = shortfall_lines(report, heads)
-    assert "0.30 / 0.20" in why[0] and "1.36" in why[0]
-    assert "tree63" in why[1] and "2.30" in why[1] and "3.00x" in why[1]
-    # the best tau / cost: tree4's 1.6 / 1.1 = 1.45 beats tree63's 2.3 / 3.4
-    assert "1.45 (tree4" in why[2]
-
-
 @pytest.mark.parametrize("content,message", [
     (b'{"prompt": "caf\xe9 au lait"}\n', r"p.jsonl, line 2: not UTF-8 text \(byte 0xe9, the line's byte 16\)"),
     (b'{"messages": [{"role": "wizard", "content": "hi"}]}\n', r"p.jsonl, line 2: message 0 has an unknown role 'wizard'"),
@@ -890,8 +772,8 @@ def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_
 @pytest.mark.bad_input
 def test_when_no_prompt_fits_the_message_blames_the_setting_that_excluded_them(tiny_backbone, tmp_path,
                                                                               over, message):
-    from mtp_train.cli.eval import select_prompts
     from mtp_train.errors import ConfigError, DataError
+    from mtp_train.pipeline.evaluation import select_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "count ' + "count " * 600 + '"}\n' if "LONG" in over else

@@ -99,7 +99,7 @@ def test_shared_chained_module_is_one_module_applied_at_every_depth(tiny_backbon
             prev = shared.blocks[0](inputs_embeds=x).last_hidden_state
             torch.testing.assert_close(out[:, :, j - 1], prev)
     # the setting travels with the heads: heads.json rebuilds the shared layout
-    from mtp_train.cli.train import save_heads
+    from mtp_train.pipeline.training import save_heads
 
     save_heads(tmp_path, shared, bb, typed_cfg("heads=chained", "heads.k=3", "heads.share=true"), metrics={})
     again, meta = load_heads(tmp_path, bb)
@@ -314,8 +314,8 @@ def test_heads_with_non_finite_weights_are_refused_on_load(tiny_backbone, tmp_pa
 
 @pytest.mark.bad_input
 def test_diverged_heads_are_never_written(tiny_backbone, typed_cfg, tmp_path):
-    from mtp_train.cli.train import save_heads
     from mtp_train.errors import MtpError
+    from mtp_train.pipeline.training import save_heads
 
     cfg = typed_cfg("backbone=tiny", "heads.k=2")
     heads = build_heads(cfg.heads, tiny_backbone)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtp_train.errors import MtpError
-from mtp_train.runlock import HOLDER, run_lock
+from mtp_train.layout import LOCK_HOLDER as HOLDER
+from mtp_train.runlock import run_lock
 
 BIN = Path(sys.executable).parent
 HOLD = "import sys, time; from mtp_train.runlock import run_lock\nwith run_lock(sys.argv[1], 'holder'):\n" \

@@ -86,8 +86,8 @@ def test_sharegpt_file_with_nothing_parseable_is_an_error_naming_it(tmp_path):
 
 @pytest.mark.bad_input
 def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
+    from data_prep.build import _report_source
     from mtp_train.config import DataConfig
-    from mtp_train.data.build import _report_source
 
     lines = [
         json.dumps({"prompt": "What is 1+1?", "response": "2"}),
@@ -163,8 +163,8 @@ def test_tiny_conversations_are_deterministic():
 def test_rows_with_bytes_that_are_not_utf8_are_dropped_by_line_not_kept_with_replacement_chars(tmp_path, caplog):
     """Both file readers: the row with the bad byte is skipped, counted and its line reported;
     no U+FFFD reaches the prepared text, and the rows around it are kept."""
+    from data_prep.build import _report_source
     from mtp_train.config import DataConfig
-    from mtp_train.data.build import _report_source
 
     jsonl = tmp_path / "u.jsonl"
     jsonl.write_bytes(b'{"prompt": "ok", "response": "fine"}\n{"prompt": "caf\xe9", "response": "x"}\n'

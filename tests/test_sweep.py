@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mtp_train.sweep import gather, markdown_table, report
+from tests.helpers import prep_cli
 
 BIN = Path(sys.executable).parent
 POINT = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
@@ -20,6 +21,7 @@ POINT = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_che
 
 
 def _sweep(tmp_path, *overrides, env=None, timeout=900):
+    prep_cli(*POINT, f"paths.root_dir={tmp_path}", cwd=tmp_path)
     return subprocess.run([str(BIN / "mtp-train"), "-m", *POINT, f"paths.root_dir={tmp_path}",
                            f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
@@ -69,7 +71,7 @@ def test_table_lists_swept_values_only():
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    from mtp_train.local_slurm import SlurmUnavailable, start
+    from tests.local_slurm import SlurmUnavailable, start
 
     try:
         cluster = start(tmp_path_factory.mktemp("slurm"))
@@ -114,6 +116,7 @@ def test_sbatch_template_runs_two_ranks_under_srun(slurm, tmp_path):
     srun starts 2 tasks, Lightning takes its ranks from Slurm, rank 0 writes the heads."""
     repo = Path(__file__).parents[1]
     run = tmp_path / "run"
+    prep_cli(*POINT, f"paths.root_dir={tmp_path}", cwd=tmp_path)  # as a user prepares before submitting
     env = {**slurm.env, "TRAINER": "ddp", "ACCELERATOR": "cpu", "MTP_REPO": str(repo),
            "MTP_VENV": str(Path(sys.executable).parents[1]), "RUN_DIR": str(run)}
     r = subprocess.run(["sbatch", "--wait", "--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1",

@@ -82,8 +82,8 @@ def test_a_conversation_the_template_refuses_is_reported_not_fatal(tiny_tokenize
     import copy
     import json
 
+    from data_prep.build import prepare_dataset
     from mtp_train.config import DataConfig
-    from mtp_train.data.build import prepare_dataset
 
     tok = copy.deepcopy(tiny_tokenizer)
     # like Gemma's or Mistral's templates: no system turn allowed

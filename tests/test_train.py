@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mtp_train.cli.train import run_train
 from mtp_train.errors import MtpError
+from tests.helpers import prep_cli, run_train
 
 FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
@@ -73,6 +73,7 @@ def test_non_finite_loss_names_the_step_and_stops(typed_cfg, monkeypatch):
 
 
 def test_local_sweep_writes_one_run_per_point(tmp_path):
+    prep_cli(*FAST, cwd=tmp_path)
     r = subprocess.run([sys.executable, "-m", "mtp_train.cli.train", "-m", "loss=ce,e2e_tv", "heads.k=1,2",
                         *FAST, f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
@@ -136,8 +137,8 @@ def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg,
 @pytest.mark.bad_input
 def test_resuming_a_run_dir_without_a_recipe_with_other_heads_or_backbone_is_refused(typed_cfg, tmp_path,
                                                                                       change, key):
-    from mtp_train.cli.train import RUN_META
     from mtp_train.errors import ConfigError
+    from mtp_train.layout import RUN_META
 
     run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2"))
     meta = json.loads((tmp_path / "out" / RUN_META).read_text())
@@ -163,7 +164,7 @@ def _count_fits(monkeypatch) -> list:
 
 
 def test_a_finished_run_is_skipped_a_longer_one_resumes_and_force_retrains(typed_cfg, tmp_path, monkeypatch):
-    from mtp_train.cli.train import SUPERSEDED
+    from mtp_train.layout import SUPERSEDED
 
     fits = _count_fits(monkeypatch)
     base = [*FAST, "heads=chained", "heads.k=2", "loss=kl"]
@@ -181,7 +182,7 @@ def test_a_finished_run_is_skipped_a_longer_one_resumes_and_force_retrains(typed
 
 
 def test_a_changed_recipe_trains_afresh_and_keeps_the_old_run(typed_cfg, tmp_path, monkeypatch):
-    from mtp_train.cli.train import SUPERSEDED
+    from mtp_train.layout import SUPERSEDED
 
     fits = _count_fits(monkeypatch)
     run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=kl"))
@@ -221,7 +222,7 @@ def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
 
 
 def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg, tmp_path):
-    from mtp_train.cli.prep import data_dirs
+    from mtp_train.layout import data_dirs
     from mtp_train.lit.data import first_fraction, load_splits
 
     run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=1", f"paths.output_dir={tmp_path}/all"))
@@ -239,7 +240,7 @@ def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg
 
 
 def test_a_data_fraction_of_mixed_data_takes_each_source_alike(typed_cfg, tmp_path):
-    from mtp_train.cli.prep import data_dirs
+    from mtp_train.layout import data_dirs
     from mtp_train.lit.data import first_fraction, load_splits
 
     assert first_fraction([8, 4], 0.25) == [0, 1, 8]
@@ -321,13 +322,13 @@ def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(t
 
 @pytest.mark.bad_input
 def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
-    from mtp_train.cli.prep import data_dirs
-    from mtp_train.cli.train import ensure_tiny_data
     from mtp_train.errors import ConfigError
+    from mtp_train.layout import data_dirs
     from mtp_train.lit.data import MTPDataModule
+    from tests.helpers import prepare_tiny
 
     cfg = typed_cfg(*FAST)
-    ensure_tiny_data(cfg)
+    prepare_tiny(cfg)
     from mtp_train.errors import DataError
 
     # 12 tokens are long enough for depth 10, but cropped there the rows are all prompt
@@ -366,8 +367,8 @@ def test_a_checkpoint_holding_code_is_refused_on_resume_and_never_runs(typed_cfg
 def test_export_reads_the_recipe_mtp_train_wrote_under_its_lock(typed_cfg, tmp_path):
     """Hydra's .hydra/config.yaml can be written over by a command refused on the same directory;
     the run's own run_config.yaml cannot."""
-    from mtp_train.cli.export import load_recipe
-    from mtp_train.cli.train import RUN_CONFIG
+    from mtp_train.layout import RUN_CONFIG
+    from mtp_train.pipeline.export import load_recipe
 
     run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=kl"))
     run = tmp_path / "out"
@@ -382,8 +383,8 @@ def test_export_refuses_a_deeper_checkpoint_and_drops_another_runs_figures(typed
     checkpoint from elsewhere keeps none of the run's own validation figures or tree statistics."""
     import shutil
 
-    from mtp_train.cli.export import export_heads
-    from mtp_train.trees import TREE_STATS
+    from mtp_train.layout import TREE_STATS
+    from mtp_train.pipeline.export import export_heads
 
     run_train(typed_cfg(*FAST, "heads.k=3", f"paths.output_dir={tmp_path}/k3"))
     run_train(typed_cfg(*FAST, "heads.k=4", f"paths.output_dir={tmp_path}/k4"))
@@ -409,7 +410,7 @@ def test_resuming_past_a_shorter_max_steps_is_refused(typed_cfg, tmp_path):
 
 @pytest.mark.bad_input
 def test_training_refuses_data_prepared_from_another_source(typed_cfg, tmp_path):
-    from mtp_train.cli.prep import run_prep
+    from data_prep.stages import run_prep
     from mtp_train.errors import DataError
 
     rows = [{"messages": [{"role": "user", "content": f"Count to {i}."},
@@ -429,7 +430,7 @@ def test_training_refuses_data_prepared_from_another_source(typed_cfg, tmp_path)
 
 @pytest.mark.bad_input
 def test_prompt_only_rows_are_refused_instead_of_training_nothing(typed_cfg, tmp_path):
-    from mtp_train.cli.prep import run_prep
+    from data_prep.stages import run_prep
     from mtp_train.errors import DataError
 
     src = tmp_path / "prompts.jsonl"
@@ -446,7 +447,7 @@ def test_a_key_added_later_at_its_default_keeps_older_runs_recipe(typed_cfg):
     before the key existed (those runs are not trained again); set, it is another recipe."""
     from omegaconf import OmegaConf
 
-    from mtp_train.cli.train import recipe_keys
+    from mtp_train.pipeline.training import recipe_keys
 
     cfg = typed_cfg(*FAST)
     heads = OmegaConf.to_container(OmegaConf.structured(cfg.heads))
@@ -461,7 +462,7 @@ def test_export_killed_while_writing_keeps_the_previous_heads_and_the_rerun_writ
                                                                                         monkeypatch):
     import safetensors.torch as st
 
-    from mtp_train.cli.export import export_heads
+    from mtp_train.pipeline.export import export_heads
 
     run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=kl"))
     run = tmp_path / "out"

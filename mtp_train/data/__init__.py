@@ -1,1 +1,2 @@
-"""Data: conversation sources, chat templating with assistant-only labels, self-distillation."""
+"""Readers of what data_prep/ writes: conversation sources, chat templating with assistant-only
+targets, the hidden-state cache, and CLP's acceptance labels."""

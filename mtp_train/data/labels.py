@@ -28,9 +28,9 @@ from mtp_train.artifacts import (
     write_json_atomic,
 )
 from mtp_train.errors import MtpError
+from mtp_train.layout import PLAN, shards_dir
 
 log = logging.getLogger(__name__)
-PLAN = "plan.json"
 
 
 def publish_labels(ds, manifest: dict, out: Path) -> None:
@@ -55,7 +55,7 @@ def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: in
     if (m := read_manifest(out)) is not None and m.get("config_hash") == key:
         log.info("labels: %s is up to date", out)
         return m
-    shards = out.with_name(out.name + ".shards")
+    shards = shards_dir(out)
     if (read_json(shards / PLAN) or {}).get("config_hash") != key:
         shutil.rmtree(shards, ignore_errors=True)
     shards.mkdir(parents=True, exist_ok=True)

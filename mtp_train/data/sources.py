@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtp_train.artifacts import config_hash
 from mtp_train.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -302,3 +303,51 @@ def read_tiny(n: int, seed: int, stats: SourceStats) -> Iterator[dict]:
     for conv in make_tiny_conversations(n, seed):
         stats.parsed += 1
         yield conv
+
+
+# --- what identifies a source and a tokenizer (the data stage's hash) ------------------------------
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What of a tokenizer decides the token rows: a change rebuilds the prepared data."""
+    return {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+        "vocab_size": len(tokenizer),
+        "chat_template_hash": config_hash(tokenizer.chat_template or ""),
+        "eos_token": tokenizer.eos_token,
+    }
+
+
+def source_identity(cfg) -> dict:
+    ident = {"source": cfg.source, "path": cfg.path}
+    path = {"sharegpt": lambda: Path(cfg.path) if cfg.path else sharegpt_path(),
+            "jsonl": lambda: Path(cfg.path), "disk": lambda: Path(cfg.path)}.get(cfg.source)
+    if path is not None:
+        p = path()
+        if p.is_file():
+            st = p.stat()
+            ident.update(file=str(p), size=st.st_size, mtime=st.st_mtime)
+        elif p.is_dir():  # a saved dataset: rewriting it in place changes its files, not the folder
+            ident.update(file=str(p), files=sorted(
+                (str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime)
+                for f in p.rglob("*") if f.is_file()))
+    return ident
+
+
+def data_stage_hash(cfg, tokenizer, keep_prompt_only: bool) -> str:
+    """The labelled dataset's hash: `mtp-prep stage=data` writes it, readers check it."""
+    return config_hash({
+        "source": source_identity(cfg), "max_length": cfg.max_length,
+        "max_conversations": cfg.max_conversations, "val_fraction": cfg.val_fraction,
+        "min_val_rows": cfg.min_val_rows, "seed": cfg.seed, "tiny_rows": cfg.tiny_rows,
+        "keep_prompt_only": keep_prompt_only, "tokenizer": tokenizer_identity(tokenizer),
+    })
+
+
+def read_conversations(cfg, stats: SourceStats, keep_prompt_only: bool):
+    if cfg.source == "sharegpt":
+        return list(read_sharegpt(cfg.path, stats, keep_prompt_only))
+    if cfg.source == "jsonl":
+        return list(read_jsonl(cfg.path, stats, keep_prompt_only))
+    if cfg.source == "disk":
+        return list(read_disk(cfg.path, stats, keep_prompt_only))
+    return list(read_tiny(cfg.tiny_rows, cfg.seed, stats))

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import weakref
 
+from mtp_train.choices import IGNORE_INDEX
 from mtp_train.errors import DataError
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX
 
 
 def assistant_char_spans(tokenizer, messages: list[dict], text: str,

@@ -23,11 +23,11 @@ from mtp_train.config import HeadsConfig
 from mtp_train.errors import ConfigError, MtpError
 from mtp_train.heads.chained import ChainedMTP
 from mtp_train.heads.medusa import MedusaHeads
+from mtp_train.layout import HEADS_FILE, HEADS_META
 
 __all__ = ["HEADS_FILE", "HEADS_META", "ChainedMTP", "MedusaHeads", "build_heads", "count_parameters",
            "heads_state_dict", "load_heads"]
 
-HEADS_FILE, HEADS_META = "heads.safetensors", "heads.json"
 
 
 def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = None) -> nn.Module:

@@ -18,7 +18,7 @@ attention and MLP add little at first, so module 1 starts near "the backbone's o
 distribution" and learns from there. `heads.init=copy_last` copies the backbone's last layer and final
 norm instead; that layer expects the un-normalised residual stream, not the final (normed) state it
 gets here, and on SmolLM2 it started far worse and stayed behind: val sim_tau 1.14 vs 1.32 after 80
-steps of the demo recipe (README, "Results").
+steps of the demo recipe (docs/results.md, "How the demo's recipe was chosen").
 
 `heads.share=true` applies module 1's weights at every depth (EAGLE's one draft layer): h^j plays
 the part of the backbone's state one position on, so one module learns from all k depths' targets

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mtp_train.errors import ConfigError, DataError
+from mtp_train.layout import MANIFEST
 from mtp_train.targets import IGNORE
 
 COLUMNS = ["input_ids", "labels"]
@@ -23,7 +24,7 @@ def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
 
     parts = {"train": [], "validation": []}
     for d in dirs:
-        if not (Path(d) / "manifest.json").is_file():
+        if not (Path(d) / MANIFEST).is_file():
             raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` with the same "
                             "backbone= and data= first")
         ds = load_from_disk(str(d))

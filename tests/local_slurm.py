@@ -1,8 +1,8 @@
 """A real one-node Slurm on this machine (munge + slurmctld + slurmd), to try SLURM sweeps locally
 and to test them: the same sbatch / submitit path a cluster takes, not a mock.
 
-  python -m mtp_train.local_slurm start --dir /tmp/slurm   # prints `export SLURM_CONF=...`
-  python -m mtp_train.local_slurm stop --dir /tmp/slurm
+  python -m tests.local_slurm start --dir /tmp/slurm   # prints `export SLURM_CONF=...`
+  python -m tests.local_slurm stop --dir /tmp/slurm
 
 Debian's `slurm-wlm` and `munge` packages are installed when missing and this runs as root (apt);
 otherwise `available()` says why not. Everything the daemons write (state, spool, logs, pid
@@ -230,7 +230,7 @@ def start(directory: str | Path, cpus: int | None = None, timeout: float = 60) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtp_train.local_slurm", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.local_slurm", description=__doc__.split("\n")[0])
     ap.add_argument("action", choices=["start", "stop"])
     ap.add_argument("--dir", default="/tmp/mtp-slurm", help="config, state, logs and pid files")
     args = ap.parse_args(argv)

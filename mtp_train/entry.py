@@ -11,12 +11,21 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtp_train.artifacts import FAILED
-from mtp_train.config import register_configs, validate
+from mtp_train.config import Config, validate
 from mtp_train.errors import MtpError
+from mtp_train.layout import FAILED
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("mtp_train")
+
+
+
+def register_configs() -> None:
+    """conf/config.yaml's defaults list starts from this schema (Hydra's ConfigStore)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
 
 register_configs()
 # never let W&B or the hub block a run on a prompt or a network call on these machines
@@ -28,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EDQUOT}
 
 
-def _in_multirun() -> bool:
+def in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -69,7 +78,7 @@ def entry(task):
     @functools.wraps(task)
     def wrapper(cfg: DictConfig):
         try:
-            if _in_multirun():  # a rerun of a point that failed before starts clean
+            if in_multirun():  # a rerun of a point that failed before starts clean
                 _failure_file().unlink(missing_ok=True)
             typed = validate(cfg)
             return task(cfg, typed)
@@ -82,7 +91,7 @@ def entry(task):
                   "shards): rerun the same command to resume", file=sys.stderr)
             raise SystemExit(143) from None
         except Exception as e:
-            if _in_multirun():
+            if in_multirun():
                 return _record_failure(e)
             if isinstance(e, MtpError):
                 print(f"error: {e}", file=sys.stderr)

@@ -16,63 +16,25 @@ from pathlib import Path
 
 from mtp_train.artifacts import (
     MANIFEST,
-    config_hash,
     is_up_to_date,
     publish_dir,
     read_manifest,
     temp_dir_for,
     write_json_atomic,
 )
+from mtp_train.choices import IGNORE_INDEX
 from mtp_train.config import DataConfig
 from mtp_train.data import sources
+from mtp_train.data.sources import (
+    data_stage_hash,
+    read_conversations,
+    source_identity,
+    tokenizer_identity,
+)
 from mtp_train.data.template import render_batch
 from mtp_train.errors import DataError
 
 log = logging.getLogger(__name__)
-
-
-def tokenizer_identity(tokenizer) -> dict:
-    return {
-        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
-        "vocab_size": len(tokenizer),
-        "chat_template_hash": config_hash(tokenizer.chat_template or ""),
-        "eos_token": tokenizer.eos_token,
-    }
-
-
-def _source_identity(cfg: DataConfig) -> dict:
-    ident = {"source": cfg.source, "path": cfg.path}
-    path = {"sharegpt": lambda: Path(cfg.path) if cfg.path else sources.sharegpt_path(),
-            "jsonl": lambda: Path(cfg.path), "disk": lambda: Path(cfg.path)}.get(cfg.source)
-    if path is not None:
-        p = path()
-        if p.is_file():
-            st = p.stat()
-            ident.update(file=str(p), size=st.st_size, mtime=st.st_mtime)
-        elif p.is_dir():  # a saved dataset: rewriting it in place changes its files, not the folder
-            ident.update(file=str(p), files=sorted(
-                (str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime)
-                for f in p.rglob("*") if f.is_file()))
-    return ident
-
-
-def data_stage_hash(cfg: DataConfig, tokenizer, keep_prompt_only: bool) -> str:
-    return config_hash({
-        "source": _source_identity(cfg), "max_length": cfg.max_length,
-        "max_conversations": cfg.max_conversations, "val_fraction": cfg.val_fraction,
-        "min_val_rows": cfg.min_val_rows, "seed": cfg.seed, "tiny_rows": cfg.tiny_rows,
-        "keep_prompt_only": keep_prompt_only, "tokenizer": tokenizer_identity(tokenizer),
-    })
-
-
-def read_conversations(cfg: DataConfig, stats: sources.SourceStats, keep_prompt_only: bool):
-    if cfg.source == "sharegpt":
-        return list(sources.read_sharegpt(cfg.path, stats, keep_prompt_only))
-    if cfg.source == "jsonl":
-        return list(sources.read_jsonl(cfg.path, stats, keep_prompt_only))
-    if cfg.source == "disk":
-        return list(sources.read_disk(cfg.path, stats, keep_prompt_only))
-    return list(sources.read_tiny(cfg.tiny_rows, cfg.seed, stats))
 
 
 def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
@@ -103,7 +65,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
 
     def render(batch):
         ids, labels, errors = render_batch(tokenizer, batch["messages"], cfg.max_length)
-        n_ans = [sum(lab != -100 for lab in row) for row in labels]
+        n_ans = [sum(lab != IGNORE_INDEX for lab in row) for row in labels]
         has_answer = [any(m["role"] == "assistant" for m in msgs) for msgs in batch["messages"]]
         return {"input_ids": ids, "labels": labels, "num_tokens": [len(r) for r in ids],
                 "num_assistant_tokens": n_ans, "has_answer": has_answer, "render_error": errors}
@@ -130,7 +92,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
     manifest = {
         "stage": "data",
         "config_hash": wanted,
-        "source": _source_identity(cfg),
+        "source": source_identity(cfg),
         "counts": {
             "complete_records": stats.parsed,
             "usable": n_complete,

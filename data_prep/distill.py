@@ -9,7 +9,7 @@ The backbone's final hidden states over prompt + answer come out of generation f
 hook on the base model sees every step's; one extra step adds the last token's): with
 `data.distill.keep_states` they are stored under `<out>/states/` in the hidden-state cache's layout,
 with the per-token stats, and `mtp-prep stage=cache` copies them instead of running the backbone
-over these rows a second time (`mtp_train.data.cache.reusable_states`).
+over these rows a second time (`data_prep.cache.reusable_states`).
 
 Resumable: prompts are cut into fixed shards; each finished shard is written atomically under
 `<out>.shards/`, and a rerun skips finished shards, so a killed run neither redoes nor duplicates
@@ -30,6 +30,7 @@ import torch
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
+from data_prep.cache import batch_states, write_shard
 from mtp_train.artifacts import (
     MANIFEST,
     config_hash,
@@ -40,14 +41,16 @@ from mtp_train.artifacts import (
     temp_dir_for,
     write_json_atomic,
 )
+from mtp_train.backbone import autocast_to, cut_at_eos, eos_ids, resolve_autocast
 from mtp_train.config import DistillConfig
-from mtp_train.data.build import tokenizer_identity
-from mtp_train.data.cache import STATES, STATES_DTYPE, batch_states, shard_file, write_shard
+from mtp_train.data.cache import STATES_DTYPE, shard_file, sidecar
+from mtp_train.data.sources import tokenizer_identity
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
+from mtp_train.layout import PLAN, SHARD_META, SHARD_STATES, STATES
+from mtp_train.layout import shards_dir as layout_shards_dir
 
 log = logging.getLogger(__name__)
-PLAN = "plan.json"
 SPLITS = ("train", "validation")
 
 
@@ -78,30 +81,6 @@ def _shards(n_rows: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n_rows)) for s in range(0, n_rows, size)]
 
 
-def resolve_autocast(device: torch.device, name: str) -> str:
-    """`auto` -> bfloat16 only where it is fast: on CPUs without native bf16 (AVX2-only, as on
-    some of our machines) bf16 autocast makes generation 4x slower, not 2x faster."""
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if _cpu_has_native_bf16() else "float32"
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def autocast_to(device: torch.device, dtype_name: str):
-    if dtype_name == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, dtype_name))
-
-
 def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_length: int,
             force: bool = False) -> dict:
     """Generate answers for the prompts of `source_dir`; writes a DatasetDict to `out_dir`."""
@@ -119,7 +98,7 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
         log.info("distill: %s is up to date, skipping (force=true regenerates)", out_dir)
         return read_manifest(out_dir)
 
-    shards_dir = out_dir.with_name(out_dir.name + ".shards")
+    shards_dir = layout_shards_dir(out_dir)
     old_plan = read_json(shards_dir / PLAN)
     if force or (old_plan is not None and old_plan.get("config_hash") != wanted):
         if shards_dir.exists():
@@ -161,7 +140,7 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     parts, skipped = {s: [] for s in SPLITS}, Counter()
     for w in work:
         path = shards_dir / _shard_name(w)
-        meta = read_json(path / "shard.json")
+        meta = read_json(path / SHARD_META)
         skipped.update(meta["skipped"])
         if meta["rows"]:  # datasets cannot load an empty saved dataset back
             parts[w[0]].append(load_from_disk(str(path)))
@@ -215,13 +194,13 @@ def _gather_states(shards_dir: Path, work, out: Path, plan: dict, rows: dict) ->
     """The shards' states, renumbered per split in row order, as one `HiddenCache` directory."""
     n = dict.fromkeys(SPLITS, 0)
     for w in work:
-        src = shards_dir / _shard_name(w) / "states.npy"
+        src = shards_dir / _shard_name(w) / SHARD_STATES
         if not src.is_file():  # a shard whose prompts were all skipped
             continue
         dst = shard_file(out, w[0], n[w[0]])
         out.mkdir(parents=True, exist_ok=True)
         for what in ("offsets", "stats", "top"):
-            shutil.move(src.with_name(f"states.{what}.npy"), dst.with_name(f"{dst.stem}.{what}.npy"))
+            shutil.move(sidecar(src, what), sidecar(dst, what))
         shutil.move(src, dst)
         n[w[0]] += 1
     write_json_atomic(out / MANIFEST, {"stage": "states", "dtype": STATES_DTYPE,
@@ -242,9 +221,9 @@ def _save_shard(shards_dir: Path, w, records: list[dict], skipped: Counter, sour
         ds.save_to_disk(str(tmp))
     if states:
         offsets = np.cumsum([0] + [len(st[0]) for st in states]).astype(np.int64)
-        write_shard(tmp / "states.npy", np.concatenate([st[0] for st in states]), offsets,
+        write_shard(tmp / SHARD_STATES, np.concatenate([st[0] for st in states]), offsets,
                     np.concatenate([st[1] for st in states]), np.concatenate([st[2] for st in states]))
-    write_json_atomic(tmp / "shard.json", {"rows": len(records), "skipped": dict(skipped)})
+    write_json_atomic(tmp / SHARD_META, {"rows": len(records), "skipped": dict(skipped)})
     publish_dir(tmp, final)
 
 
@@ -269,8 +248,8 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
     # longest first: batches of similar length waste less padding; the order is fixed, so a
     # resumed run builds the same batches
     order = sorted(range(len(items)), key=lambda i: (-len(items[i][2]), i))
-    eos_ids = _eos_ids(model, tok)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    eos = eos_ids(model, tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     answers: dict[int, list[int]] = {}
     states: dict[int, tuple] = {}
     torch.manual_seed(seed)
@@ -285,7 +264,7 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attn[row, width - len(ids):] = 1
         gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample,
-                          pad_token_id=pad_id, eos_token_id=eos_ids)
+                          pad_token_id=pad_id, eos_token_id=eos)
         if cfg.do_sample:
             gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
         with autocast_to(device, autocast), _HiddenTap(model.base_model if keep_states else None) as tap:
@@ -295,7 +274,7 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
                 _forward_last(model, out, attn.to(device))
         new = out.sequences[:, width:].tolist()  # (B, <= max_new_tokens)
         for row, i in enumerate(batch):
-            answers[i] = _cut_at_eos(new[row], eos_ids)
+            answers[i] = cut_at_eos(new[row], eos)[0]
             n_new += len(answers[i])
         if keep_states:
             hidden = torch.cat(tap.parts, dim=1)  # (B, width + steps, d): every input position's state
@@ -309,7 +288,7 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
     records, kept = [], []
     for i, (r, msgs, ids) in enumerate(items):
         ans = answers[i]
-        finished = bool(ans) and ans[-1] in eos_ids
+        finished = bool(ans) and ans[-1] in eos
         text = tok.decode(ans[:-1] if finished else ans, skip_special_tokens=True)
         input_ids = (ids + ans)[:max_length]
         labels = ([IGNORE] * len(ids) + ans)[:max_length]
@@ -367,20 +346,3 @@ def _quiet_datasets():
     finally:
         if was:
             ds_logging.enable_progress_bar()
-
-
-def _eos_ids(model, tok) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
-    if not ids:
-        raise DataError("the backbone has no end-of-sequence token; cannot tell where answers end")
-    return ids
-
-
-def _cut_at_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
-    for j, t in enumerate(ids):
-        if t in eos_ids:
-            return ids[: j + 1]
-    return ids

@@ -1,0 +1,32 @@
+"""Every enumerated choice of the project, defined once: config validation, the code that acts on
+the choice and the docs read these. No imports: the config schema and pure-torch modules both use it."""
+
+from __future__ import annotations
+
+BACKBONE_SOURCES = ("hf", "gguf", "tiny")
+DATA_SOURCES = ("sharegpt", "jsonl", "disk", "tiny")
+DTYPES = ("float32", "bfloat16", "float16")
+HEAD_TYPES = ("medusa", "chained")
+HEAD_LM = ("shared", "copy")  # medusa: the backbone's LM head, or a trainable copy
+HEAD_INITS = ("copy_last", "random")  # chained: a block starts as the backbone's last layer, or random
+LOSS_NAMES = ("ce", "kl", "tv", "e2e_tv")
+SEGMENT_RULES = ("diff", "zscore")  # AdaMTP's entropy-surge rule
+LR_SCHEDULES = ("cosine", "constant", "wsd")
+DATA_USES = ("distilled", "labelled", "mix")  # train.data_use: which prepared datasets train
+PREDICTOR_KINDS = ("clp", "gate")  # mtp-clp's span-length predictors (clp.kinds)
+LABEL_SOURCES = ("auto", "cache", "decode")  # clp.label_source
+LABEL_SPLITS = ("validation", "train")  # clp.label_split
+
+# what `Decoder.generate` runs
+DECODER_MODES = ("greedy", "verify", "relaxed", "clp", "clp+verify", "adaptive")
+# what mtp-eval measures (eval.modes), each with the decoder mode it runs: trees are verify over a
+# token tree (static or dynamic), the gate is a span policy in clp mode
+EVAL_MODES = {"greedy": "greedy", "verify": "verify", "tree": "verify", "dynamic": "verify",
+              "relaxed": "relaxed", "clp": "clp", "gate": "clp", "clp+verify": "clp+verify",
+              "adaptive": "adaptive"}
+
+ADAPTIVE_POLICIES = ("cost", "entropy")  # eval.adaptive_policy
+PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source without eval.prompts
+EVAL_DTYPES = ("auto", "float32", "bfloat16")
+
+IGNORE_INDEX = -100  # a token position with no target (labels), as torch's cross-entropy reads it

@@ -1,0 +1,273 @@
+"""The library behind `mtp-clp` (mtp_train/cli/clp.py): self-generated acceptance labels -> span-length predictors (clp, gate) -> a calibrated threshold."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from mtp_train import layout
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError, MtpError
+
+log = logging.getLogger(__name__)
+
+STAGES = ("label", "fit", "calibrate", "all")
+
+
+def _setup(cfg: Config):
+    from mtp_train.backbone import eos_ids, load_backbone
+    from mtp_train.decoding import Decoder
+    from mtp_train.heads import load_heads
+
+    if not cfg.clp.heads:
+        raise ConfigError("clp.heads: set it to an mtp-train run directory (heads.safetensors + heads.json)")
+    backbone = load_backbone(cfg.backbone)
+    heads, meta = load_heads(cfg.clp.heads, backbone, cfg.backbone.allow_foreign_heads)
+    return backbone, heads, Decoder(backbone, heads, eos_ids=eos_ids(backbone.model, backbone.tokenizer))
+
+
+def distilled_cache(cfg: Config, backbone, split: str = "train"):
+    """(rows of `split`, hidden-state cache, index of the first self-distilled row in them) when the
+    training cache holds the backbone's own answers, else None."""
+    from datasets import load_from_disk
+
+    from mtp_train.layout import data_dirs, distilled_dir
+    from mtp_train.lit.data import load_splits
+    from mtp_train.pipeline.prepared import open_cache
+
+    dirs = data_dirs(cfg)
+    if distilled_dir(cfg) not in dirs:
+        return None
+    cache = open_cache(cfg, backbone)
+    if cache is None:
+        return None
+    first = sum(len(load_from_disk(str(d))[split]) for d in dirs[: dirs.index(distilled_dir(cfg))])
+    return load_splits(dirs)[split], cache, first
+
+
+def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
+    from mtp_train.artifacts import file_sha256
+    from mtp_train.data.labels import labels_from_cache, make_labels
+    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.layout import labelled_dir
+
+    source = cfg.clp.label_source
+    split = cfg.clp.label_split
+    found = distilled_cache(cfg, backbone, split) if source in ("auto", "cache") else None
+    if source == "cache" and found is None:
+        raise ConfigError("clp.label_source: 'cache' needs the hidden-state cache of self-distilled "
+                          "data (train.data_use=distilled or mix, then `mtp-prep stage=cache`); or "
+                          "set clp.label_source=decode")
+    identity = {"backbone": backbone.name, "backbone_identity": backbone.identity,
+                "heads_sha256": file_sha256(Path(cfg.clp.heads) / layout.HEADS_FILE), "k": heads.k}
+    if found is not None:
+        rows, cache, first = found
+        if len(rows) - first < 2:
+            raise ConfigError(f"clp.label_split={split}: {len(rows) - first} self-distilled rows in that "
+                              "split, too few to fit and check a predictor; distil more of it "
+                              f"(data.distill.max_{'val' if split == 'validation' else 'train'}_prompts, "
+                              "data.val_fraction) or use clp.label_source=decode")
+        return labels_from_cache(rows, cache, split, first, heads, backbone, out / layout.LABELS,
+                                 {**identity, "cache": cache.manifest.get("config_hash"), "split": split})
+    prompts = [p for p in held_out_prompts(labelled_dir(cfg), "train")
+               if len(p) + cfg.clp.max_new_tokens <= getattr(backbone.config, "max_position_embeddings", 10**9)]
+    prompts = prompts[: cfg.clp.n_prompts]
+    return make_labels(prompts, decoder, out / layout.LABELS, cfg.clp.max_new_tokens, cfg.clp.shard_prompts,
+                       identity)
+
+
+def held_out_by_fit(prompt, val_fraction: float):
+    """Which labels (by their prompt index) the predictor's fit holds out: whole prompts, not steps
+    (steps of one answer correlate), every round(1 / val_fraction)-th prompt from the first."""
+    return (prompt % max(2, round(1 / val_fraction))) == 0
+
+
+def calibration_prompts(cfg: Config, backbone, labels_manifest: dict) -> list[list[int]]:
+    """The prompts the threshold is calibrated on, none of whose answers the predictor was fitted on.
+
+    Labels made from the cache's self-distilled validation rows: the prompts of the rows the fit held
+    out. Otherwise (labels from the training split, by decoding or from the cache): the prepared
+    validation prompts."""
+    from mtp_train.evaluate import held_out_prompts, row_prompt
+    from mtp_train.layout import labelled_dir
+
+    n = cfg.clp.calib_prompts
+    if labels_manifest.get("source") == "cache" and labels_manifest.get("split") == "validation":
+        found = distilled_cache(cfg, backbone, "validation")
+        if found is not None:
+            rows, _, first = found
+            held = (rows[first + p] for p in range(len(rows) - first) if held_out_by_fit(p, cfg.clp.val_fraction))
+            out = [p for p in (row_prompt(r["input_ids"], r["labels"]) for r in held) if p]
+            if len(out) < n:
+                log.warning("calibrating on %d prompts (clp.calib_prompts=%d): only %d labelled "
+                            "validation rows were held out of the fit", len(out), n, len(out))
+            return out[:n]
+    return held_out_prompts(labelled_dir(cfg))[:n]
+
+
+def fit_key(cfg: Config, kind: str, labels_manifest: dict) -> str:
+    """What a fitted predictor depends on: its labels (their manifest's hash) and fit settings."""
+    from mtp_train.artifacts import config_hash
+
+    c = cfg.clp
+    return config_hash({"labels": labels_manifest.get("config_hash"), "kind": kind, "seed": cfg.seed,
+                        "use_head_probs": c.use_head_probs, "epochs": c.epochs, "batch_size": c.batch_size,
+                        "lr": c.lr, "val_fraction": c.val_fraction})
+
+
+def calibration_key(cfg: Config, predictor_meta: dict, prompts: list[list[int]]) -> str:
+    """What a calibrated threshold depends on: the fitted predictor, the prompts, thresholds, bounds and length."""
+    from mtp_train.artifacts import config_hash
+
+    c = cfg.clp
+    return config_hash({"fit": predictor_meta.get("fit_hash"), "heads": predictor_meta.get("heads_sha256"),
+                        "prompts": config_hash(prompts), "thresholds": list(c.thresholds),
+                        "bounds": [c.max_repetition_increase, c.max_nll_increase],
+                        "max_new_tokens": cfg.eval.max_new_tokens})
+
+
+def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mtp_train.artifacts import file_sha256, read_json, read_manifest
+    from mtp_train.clp import (
+        build_predictor,
+        class_weights,
+        held_out_calibration,
+        save_predictor,
+        undo_class_weights,
+    )
+    from mtp_train.data.labels import read_labels
+    from mtp_train.heads import count_parameters
+    from mtp_train.layout import CLP_FILE, CLP_META
+    from mtp_train.lit.predictor import SpanFitModule
+
+    labels_dir = out / layout.LABELS
+    manifest = read_manifest(labels_dir)
+    if manifest is None:
+        raise MtpError(f"{labels_dir}: no acceptance labels; run `mtp-clp stage=label` first")
+    heads_hash = file_sha256(Path(cfg.clp.heads) / layout.HEADS_FILE)
+    if manifest.get("heads_sha256") != heads_hash or manifest.get("k") != heads.k:
+        raise ConfigError(f"{labels_dir}: labels were made with another heads checkpoint; rerun "
+                          "`mtp-clp stage=label` for clp.heads")
+    hidden, probs, labels, prompt = read_labels(labels_dir, heads.k, backbone.hidden_size)
+    n_prompts = int(prompt.max()) + 1
+    is_val = held_out_by_fit(prompt, cfg.clp.val_fraction)
+    if is_val.all() or not is_val.any():
+        raise MtpError(f"{labels_dir}: {n_prompts} labelled prompts are too few to hold out a validation set")
+    weights = class_weights(labels[~is_val], heads.k)
+    results = {}
+    for kind in cfg.clp.kinds:
+        key = fit_key(cfg, kind, manifest)
+        old = read_json(out / kind / CLP_META)
+        if not cfg.force and old is not None and old.get("fit_hash") == key and (out / kind / CLP_FILE).is_file():
+            log.info("%s: fitted on these labels with these settings already; skipping", kind)
+            results[kind] = {**old["fit"], "skipped": True}
+            continue
+        torch.manual_seed(cfg.seed)
+        pred = build_predictor(kind, backbone.hidden_size, heads.k, cfg.clp.use_head_probs)
+        module = SpanFitModule(pred, weights, cfg.clp.lr)
+
+        def loader(mask, shuffle):
+            return DataLoader(TensorDataset(hidden[mask], probs[mask], labels[mask]),
+                              batch_size=cfg.clp.batch_size, shuffle=shuffle)
+
+        trainer = L.Trainer(max_epochs=cfg.clp.epochs, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        trainer.fit(module, loader(~is_val, True), loader(is_val, False))
+        val = {k: float(v) for k, v in trainer.validate(module, loader(is_val, False), verbose=False)[0].items()}
+        # the weights rebalance what the fit attends to; the decision rule needs the label frequencies
+        undo_class_weights(pred, weights)
+        val.update(held_out_calibration(pred, hidden[is_val], probs[is_val], labels[is_val]))
+        meta = {"backbone": backbone.name, "heads_sha256": heads_hash, "threshold": 1.0, "calibrated": False,
+                "fit_hash": key, "class_weights_undone": True,
+                "label_histogram": manifest["label_histogram"], "class_weights": weights.tolist(),
+                "fit": val}
+        save_predictor(out / kind, pred, meta)
+        log.info("%s: %s parameters, validation accuracy %.3f (majority class %.3f); P(L >= 1) "
+                 "predicted %.3f, observed %.3f", kind, f"{count_parameters(pred)['total']:,}", val["val/acc"],
+                 float((labels[is_val] == 0).float().mean()), val["val/p_span1_predicted"],
+                 val["val/p_span1_observed"])
+        results[kind] = val
+    return results
+
+
+def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
+    from mtp_train.artifacts import file_sha256, read_manifest, write_json_atomic
+    from mtp_train.clp import load_predictor, measure_decode, pick_threshold, sweep_thresholds
+    from mtp_train.layout import CLP_META
+
+    e = cfg.eval
+    prompts = calibration_prompts(cfg, backbone, read_manifest(out / layout.LABELS) or {})
+    if not prompts:
+        raise MtpError(f"{out / layout.LABELS}: no prompt to calibrate on (none of the labelled rows was held "
+                       "out of the fit); raise clp.val_fraction or distil more validation prompts")
+    results, todo = {}, []
+    heads_hash = file_sha256(Path(cfg.clp.heads) / layout.HEADS_FILE)
+    for kind in cfg.clp.kinds:
+        pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
+        if meta.get("heads_sha256") != heads_hash:
+            raise ConfigError(f"{out / kind}: fitted on the labels of other heads than clp.heads="
+                              f"{cfg.clp.heads}; rerun `mtp-clp stage=all` (label and fit) for these heads")
+        key = calibration_key(cfg, meta, prompts)
+        if not cfg.force and meta.get("calibration_hash") == key:
+            log.info("%s: calibrated for this predictor and these settings already (threshold %.2f); skipping",
+                     kind, meta["threshold"])
+            results[kind] = {"threshold": meta["threshold"], "skipped": True}
+        else:
+            todo.append((kind, pred, meta, key))
+    if not todo:
+        return results
+    reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
+    for kind, pred, meta, key in todo:
+        greedy, rows = sweep_thresholds(decoder, pred, prompts, list(cfg.clp.thresholds), e.max_new_tokens,
+                                 greedy=reference)
+        best = pick_threshold(rows, greedy, cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
+        if best is None:
+            log.warning("%s: no threshold in %s keeps repetition within greedy + %.2f and NLL within greedy "
+                        "+ %.2f nats; keeping threshold = 1.0 (accept no draft)", kind, list(cfg.clp.thresholds),
+                        cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
+        meta.pop("tau", None)  # the key's name before the rename
+        meta.update(threshold=best["threshold"] if best else 1.0, calibrated=best is not None, calibration_hash=key,
+                    bounds={"max_repetition_increase": cfg.clp.max_repetition_increase,
+                            "max_nll_increase": cfg.clp.max_nll_increase},
+                    calibration={"greedy": greedy, "thresholds": rows, "n_prompts": len(prompts)})
+        write_json_atomic(out / kind / CLP_META, meta)
+        results[kind] = {"threshold": meta["threshold"], "skipped": False}
+        log.info("%s: threshold = %.2f%s", kind, meta["threshold"], "" if best else " (no threshold met the bounds)")
+    return results
+
+
+def run_clp(cfg: Config) -> dict:
+    from mtp_train.runlock import run_lock
+
+    if cfg.stage not in STAGES:
+        raise ConfigError(f"stage: mtp-clp has stages {', '.join(STAGES)}, got {cfg.stage!r}")
+    with run_lock(Path(cfg.paths.output_dir), "mtp-clp"):
+        return _run_clp(cfg)
+
+
+def _run_clp(cfg: Config) -> dict:
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from mtp_train.artifacts import read_json, write_json_atomic
+
+    backbone, heads, decoder = _setup(cfg)
+    results = {}
+    times = read_json(out / layout.STAGE_TIMES) or {}
+    for stage, fn in (("label", lambda: stage_label(cfg, backbone, heads, decoder, out)),
+                      ("fit", lambda: stage_fit(cfg, backbone, heads, out)),
+                      ("calibrate", lambda: stage_calibrate(cfg, backbone, heads, decoder, out))):
+        if cfg.stage in (stage, "all"):
+            t0 = time.time()
+            before = read_json(out / layout.LABELS / layout.MANIFEST)
+            results[stage] = fn()
+            skipped = (before is not None and before == results[stage] if stage == "label" else
+                       all(r.get("skipped") for r in results[stage].values()))
+            if not skipped:  # wall seconds of each stage's last run that did work
+                times[stage] = round(time.time() - t0, 1)
+                write_json_atomic(out / layout.STAGE_TIMES, times)
+    return results

@@ -1,0 +1,274 @@
+"""The library behind `mtp-eval` (mtp_train/cli/eval.py): what trained heads buy when decoding, against HF generate greedy on the same prompts."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from mtp_train import layout
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError, MtpError
+
+log = logging.getLogger(__name__)
+
+
+def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
+    """The prompts to decode and how many were skipped as too long for eval.max_prompt_tokens or
+    the backbone's context (prompt + max_new_tokens)."""
+    from mtp_train.evaluate import held_out_prompts, load_prompts_jsonl
+    from mtp_train.layout import labelled_dir
+
+    e = cfg.eval
+    if e.prompts:
+        prompts = load_prompts_jsonl(Path(e.prompts), backbone.tokenizer)
+    elif e.prompt_source == "unseen":
+        prompts = unseen_prompts(cfg, backbone.tokenizer)
+    else:
+        prompts = held_out_prompts(labelled_dir(cfg))
+    context = getattr(backbone.config, "max_position_embeddings", None) or 10**9
+    if e.max_new_tokens >= context:
+        raise ConfigError(f"eval.max_new_tokens: {e.max_new_tokens} new tokens do not fit the backbone's "
+                          f"context of {context} tokens with any prompt; ask for fewer")
+    lazy = not e.prompts and e.prompt_source == "unseen"  # rendered one by one: stop at n_prompts
+    keep, skipped, shortest = [], 0, None
+    for p in prompts:  # (unseen prompts come one by one: the lengths are seen here only)
+        shortest = len(p) if shortest is None else min(shortest, len(p))
+        if len(p) <= e.max_prompt_tokens and len(p) + e.max_new_tokens <= context:
+            keep.append(p)
+            if lazy and e.n_prompts and len(keep) == e.n_prompts:
+                break
+        else:
+            skipped += 1
+    if skipped:
+        log.warning("%d prompt(s) longer than eval.max_prompt_tokens=%d or the context (%d) skipped",
+                    skipped, e.max_prompt_tokens, context)
+    if not keep:
+        shortest = shortest or 0
+        where = f"eval.prompts={e.prompts}" if e.prompts else f"the {e.prompt_source} prompts"
+        if shortest >= context:  # the prompts alone fill the context: no token budget helps
+            raise ConfigError(f"{'eval.prompts' if e.prompts else 'eval.prompt_source'}: every prompt of "
+                              f"{where} is as long as the backbone's context of {context} tokens or longer "
+                              f"(the shortest has {shortest}); use shorter prompts")
+        if shortest <= e.max_prompt_tokens:  # the context, not the prompt cap, ruled them all out
+            raise ConfigError(f"eval.max_new_tokens: the shortest prompt ({shortest} tokens) + "
+                              f"{e.max_new_tokens} new tokens exceed the backbone's context of {context}")
+        raise ConfigError(f"eval.max_prompt_tokens: every prompt is longer than {e.max_prompt_tokens} tokens "
+                          f"(the shortest has {shortest})")
+    return keep[: e.n_prompts] if e.n_prompts else keep, skipped
+
+
+def unseen_prompts(cfg: Config, tokenizer):
+    """eval.prompt_source=unseen: the conversations of the configured data source (read as the data
+    stage reads them) whose id is in neither split of the prepared labelled dataset, shuffled by
+    cfg.seed, each rendered up to its first assistant turn; a lazy iterator, the caller stops early."""
+    from mtp_train.data.sources import SourceStats, read_conversations
+    from mtp_train.evaluate import dataset_ids, render_prompts, unseen_conversations
+    from mtp_train.layout import labelled_dir
+    from mtp_train.pipeline.prepared import check_labelled_is_current
+
+    check_labelled_is_current(cfg, tokenizer)  # the ids must come from this source's dataset
+    seen = dataset_ids(labelled_dir(cfg))
+    convs = read_conversations(cfg.data, SourceStats(), keep_prompt_only=cfg.data.distill.enabled)
+    unseen = unseen_conversations(convs, seen, cfg.seed)
+    if not unseen:
+        raise ConfigError(f"eval.prompt_source: there are no unseen conversations in data.source="
+                          f"{cfg.data.source}: the data stage used all {len(convs)} of them "
+                          "(lower data.max_conversations, or use eval.prompt_source=validation)")
+    log.info("eval.prompt_source=unseen: %d of the source's %d conversations are not in %s",
+             len(unseen), len(convs), labelled_dir(cfg))
+    return render_prompts(unseen, tokenizer)
+
+
+def predictor_threshold(meta: dict, path) -> float:
+    """A predictor's calibrated threshold; its clp.json from before the rename calls it "tau"."""
+    value = meta.get("threshold", meta.get("tau"))
+    if value is None:
+        raise MtpError(f"{path}: clp.json holds no threshold; rerun `mtp-clp stage=calibrate`")
+    return float(value)
+
+
+def load_span_policies(cfg: Config, backbone, heads) -> dict:
+    """mode -> SpanPolicy for clp, clp+verify (eval.clp) and gate (eval.gate), at their calibrated threshold."""
+    from mtp_train.artifacts import file_sha256
+    from mtp_train.clp import SpanPolicy, load_predictor
+    from mtp_train.heads import count_parameters
+    from mtp_train.layout import HEADS_FILE
+
+    out, heads_hash = {}, None
+    for mode, path in (("clp", cfg.eval.clp), ("clp+verify", cfg.eval.clp), ("gate", cfg.eval.gate)):
+        if mode not in cfg.eval.modes:
+            continue
+        pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
+        key = "eval.gate" if mode == "gate" else "eval.clp"
+        heads_hash = heads_hash or file_sha256(Path(cfg.eval.heads) / HEADS_FILE)
+        if meta.get("heads_sha256") not in (None, heads_hash):
+            raise ConfigError(f"{key}: {path} was fitted on the acceptance of other heads than eval.heads="
+                              f"{cfg.eval.heads}; fit one for these heads (`mtp-clp clp.heads={cfg.eval.heads}`)")
+        threshold = predictor_threshold(meta, path)
+        if cfg.eval.span_threshold is not None:
+            calibrated_at, threshold = threshold, cfg.eval.span_threshold
+            log.warning("%s: %s at eval.span_threshold = %.2f, not its calibrated threshold %.2f", path, mode,
+                        threshold, calibrated_at)
+        elif not meta.get("calibrated"):
+            log.warning("%s: not calibrated (threshold %.2f); run `mtp-clp stage=calibrate`", path, threshold)
+        policy = SpanPolicy(pred, threshold)
+        policy.parameters = count_parameters(pred)["total"]
+        policy.calibrated = bool(meta.get("calibrated"))
+        out[mode] = policy
+    return out
+
+
+def load_tree_stats(cfg: Config):
+    """The heads' rank statistics (tree_stats.json, written by mtp-train), which static trees and the
+    adaptive policies grow from; required by mode tree."""
+    from mtp_train.layout import TREE_STATS
+    from mtp_train.trees import RankStats
+
+    stats = RankStats.load(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None
+    if stats is None and "tree" in cfg.eval.modes:
+        raise ConfigError(f"eval.modes: mode tree grows its tree from {Path(cfg.eval.heads) / TREE_STATS}, "
+                          "which these heads lack (trained before token trees); run the same mtp-train "
+                          "command on that run directory once to record it (validation only)")
+    return stats
+
+
+def eval_key(cfg: Config) -> str:
+    """What an evaluation depends on: every eval setting, the backbone, the prompts' source and the
+    exact weights of the heads and predictors (and the predictors' calibrated thresholds)."""
+    from mtp_train.artifacts import config_hash, file_sha256, read_manifest
+    from mtp_train.backbone import backbone_identity
+    from mtp_train.evaluate import cpu_model
+    from mtp_train.layout import CLP_FILE, CLP_META, HEADS_FILE, TREE_STATS, labelled_dir
+
+    def sha(path) -> str | None:
+        return file_sha256(path) if path and Path(path).is_file() else None
+
+    e = OmegaConf.to_container(OmegaConf.structured(cfg.eval))
+    predictors = {name: [sha(Path(d) / CLP_FILE), sha(Path(d) / CLP_META)] if d else None
+                  for name, d in (("clp", cfg.eval.clp), ("gate", cfg.eval.gate))}
+    prompts = sha(cfg.eval.prompts) if cfg.eval.prompts else \
+        (read_manifest(labelled_dir(cfg)) or {}).get("config_hash")
+    if not cfg.eval.prompts and cfg.eval.prompt_source == "unseen":
+        # which conversations are left depends on the source file as well as the dataset taken from it
+        from mtp_train.data.sources import source_identity
+
+        prompts = {"dataset": prompts, "source": source_identity(cfg.data), "seed": cfg.seed,
+                   "keep_prompt_only": cfg.data.distill.enabled}
+    return config_hash({
+        "eval": e, "backbone": backbone_identity(cfg.backbone),
+        "prompt_source": "file" if cfg.eval.prompts else cfg.eval.prompt_source, "prompts": prompts,
+        "heads": sha(Path(cfg.eval.heads) / HEADS_FILE) if cfg.eval.heads else None,
+        "tree_stats": sha(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None,
+        "machine": cpu_model(),
+        "predictors": predictors})
+
+
+def finished_eval(cfg: Config, out_dir: Path, key: str) -> dict | None:
+    """The report of an evaluation this run directory already holds for exactly these inputs."""
+    from mtp_train.artifacts import read_json
+
+    report = read_json(out_dir / layout.EVAL_REPORT)
+    if cfg.force or report is None or report.get("config_hash") != key:
+        return None
+    return report if (out_dir / layout.OUTPUTS).is_file() else None
+
+
+def run_eval(cfg: Config) -> dict:
+    from mtp_train.runlock import run_lock
+
+    with run_lock(Path(cfg.paths.output_dir), "mtp-eval"):
+        return _run_eval(cfg)
+
+
+def _run_eval(cfg: Config) -> dict:
+    import time
+
+    from mtp_train.artifacts import write_json_atomic
+    from mtp_train.backbone import load_backbone
+    from mtp_train.evaluate import (
+        hf_dtype_probe,
+        machine,
+        print_table,
+        resolve_dtype,
+        run_modes,
+        save_report,
+        write_plots,
+    )
+    from mtp_train.heads import load_heads
+
+    t0 = time.time()
+    cfg.eval.check_inputs()
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = eval_key(cfg)
+    if (done := finished_eval(cfg, out_dir, key)) is not None:
+        log.info("%s already holds this evaluation (same heads, predictors, prompts and settings); "
+                 "skipping (force=true measures again)", out_dir)
+        print_table(done)
+        return done
+    backbone = load_backbone(cfg.backbone)
+    heads, meta = (load_heads(cfg.eval.heads, backbone, cfg.backbone.allow_foreign_heads) if cfg.eval.heads
+                   else (None, {}))
+    stats = load_tree_stats(cfg)
+    dtype = resolve_dtype(cfg.eval.dtype)
+    if dtype != backbone.model.dtype:
+        backbone.model.to(dtype)
+        if heads is not None:
+            heads.to(dtype)
+    log.info("decoding (and HF generate) in %s (eval.dtype=%s)", dtype, cfg.eval.dtype)
+    policies = load_span_policies(cfg, backbone, heads)
+    prompts, skipped = select_prompts(cfg, backbone)
+    log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
+             len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
+    sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
+    report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
+                                tree_stats=stats)
+    report["machine"] = machine()
+    log.info("HF generate in float32 and bfloat16 on a few prompts (for the speedup against the faster)")
+    report["hf_dtypes"] = hf_dtype_probe(backbone, prompts, report["eos"], max_new_tokens=32)
+    here = str(backbone.model.dtype).replace("torch.", "")
+    best = max(report["hf_dtypes"].values())
+    for m in report["modes"].values():  # same-dtype speedup x (this dtype's HF / the faster HF)
+        m["speedup_vs_best_hf"] = m["speedup_vs_hf"] * report["hf_dtypes"][here] / best if best else None
+    report["predictors"] = {m: {"parameters": p.parameters, "threshold": p.threshold, "calibrated": p.calibrated}
+                            for m, p in policies.items()}
+    report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
+                  prompt_source="file" if cfg.eval.prompts else cfg.eval.prompt_source,
+                  max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))
+    tok = backbone.tokenizer
+    rows = [{"prompt": tok.decode(p), **{m: tok.decode(o[i]) for m, o in outputs.items()}}
+            for i, p in enumerate(prompts)]
+    write_json_atomic(out_dir / layout.OUTPUTS, rows)
+    plots = write_plots(report, out_dir)
+    # the report goes last: a rerun takes it as the mark of a finished evaluation
+    path = save_report(report, out_dir)
+    print_table(report)
+    _to_wandb(cfg, report, plots)
+    log.info("report: %s", path)
+    return report
+
+
+def _to_wandb(cfg: Config, report: dict, plots: list[Path]) -> None:
+    if not cfg.logger or "wandb" not in cfg.logger:
+        return
+    import os
+
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ["WANDB_MODE"] = "offline"
+    lcfg = cfg.logger["wandb"]
+    run = wandb.init(project=lcfg.get("project"), name=f"{lcfg.get('name') or 'eval'}-eval",
+                     dir=cfg.paths.output_dir, job_type="eval", config={"eval": dict(vars(cfg.eval))})
+    cols = ["mode", *next(iter(report["modes"].values())).keys()]
+    table = wandb.Table(columns=cols, data=[[m, *[json.dumps(v) if isinstance(v, list) else v
+                                                   for v in r.values()]]
+                                            for m, r in report["modes"].items()])
+    run.log({"eval/report": table, **{f"eval/{p.stem}": wandb.Image(str(p)) for p in plots},
+             **{f"eval/{m}/{k}": v for m, r in report["modes"].items() for k, v in r.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+    run.summary["eval/step_cost"] = report["step_cost"]
+    run.finish()

@@ -1,0 +1,123 @@
+"""The library behind `mtp-export-heads` (mtp_train/cli/export.py): heads.safetensors from a checkpoint,
+and the saved recipe of a training run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mtp_train import layout
+from mtp_train.errors import MtpError
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_state(path: Path) -> dict:
+    """The module state dict of a checkpoint: a ZeRO directory or a Lightning checkpoint file."""
+    from mtp_train.distributed import (
+        CheckpointRefused,
+        CheckpointUnreadable,
+        load_weights_only,
+        zero_state_dict,
+    )
+
+    if path.is_dir():
+        return zero_state_dict(path)
+    if not path.is_file():
+        raise MtpError(f"{path}: no checkpoint here")
+    try:  # tensors and plain containers only: never unpickle arbitrary objects
+        ckpt = load_weights_only(path)
+    except CheckpointRefused as e:
+        raise MtpError(f"{path}: refusing to load it: it holds more than tensors and plain values, and "
+                       f"loading it could run code (it names {e.name})") from None
+    except CheckpointUnreadable as e:
+        raise MtpError(f"{path}: not a readable checkpoint ({e.detail})") from None
+    if not isinstance(ckpt, dict):
+        raise MtpError(f"{path}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a dict)")
+    if "state_dict" not in ckpt:
+        raise MtpError(f"{path}: not a Lightning checkpoint (no state_dict)")
+    return ckpt["state_dict"]
+
+
+def recipe_file(run_dir: Path) -> Path:
+    """Where a run's config is: <run>/run_config.yaml, which mtp-train writes under the run
+    directory's lock (runs from before it: Hydra's <run>/.hydra/config.yaml, which a command refused
+    on the same directory may have written over)."""
+    from mtp_train.layout import RUN_CONFIG
+
+    own = Path(run_dir) / RUN_CONFIG
+    return own if own.is_file() else layout.hydra_config(run_dir)
+
+
+def load_recipe(run_dir: Path):
+    """The typed config a run was started with (`recipe_file`)."""
+    from omegaconf import OmegaConf
+
+    from mtp_train.config import Config, validate
+
+    recipe = recipe_file(run_dir)
+    if not recipe.is_file():
+        raise MtpError(f"{recipe}: missing; export needs the config the run was started with")
+    raw = OmegaConf.load(recipe)
+    raw.paths.output_dir = str(run_dir)  # saved as ${hydra:...}, which resolves only inside Hydra
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+    except Exception as e:
+        raise MtpError(f"{recipe}: not a config of this version of mtp-train ({e})") from e
+    return validate(merged)
+
+
+def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
+    from mtp_train.runlock import run_lock
+
+    if not Path(run_dir).is_dir():
+        raise MtpError(f"{run_dir}: no run directory here")
+    with run_lock(Path(run_dir), "mtp-export-heads"):
+        return _export_heads(run_dir, checkpoint)
+
+
+def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
+    import torch
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.distributed import heads_from_module_state
+    from mtp_train.heads import build_heads, heads_state_dict
+    from mtp_train.pipeline.training import save_heads
+
+    run_dir = Path(run_dir)
+    recipe = recipe_file(run_dir)
+    cfg = load_recipe(run_dir)
+    checkpoint = Path(checkpoint) if checkpoint else layout.last_checkpoint(run_dir)
+    state = heads_from_module_state(checkpoint_state(checkpoint))
+    if not state:
+        raise MtpError(f"{checkpoint}: holds no heads parameters")
+    backbone = load_backbone(cfg.backbone)
+    draft_ids = state.get("draft_ids")
+    heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids.long() if draft_ids is not None else None)
+    wanted = heads_state_dict(heads)
+    missing = sorted(set(wanted) - set(state))
+    extra = sorted(set(state) - set(wanted) - {"draft_ids"})
+    bad = [n for n in wanted if n in state and tuple(state[n].shape) != tuple(wanted[n].shape)]
+    if missing or extra or bad:
+        raise MtpError(f"{checkpoint}: does not match heads={cfg.heads.type} k={cfg.heads.k} of "
+                       f"{recipe} (missing {missing[:3]}, not in these heads {extra[:3]}, other shapes "
+                       f"{bad[:3]})")
+    with torch.no_grad():
+        for name, t in heads.state_dict().items():
+            if name in wanted:
+                t.copy_(state[name].to(t.dtype))
+    from mtp_train.artifacts import read_json
+
+    own = checkpoint.resolve() == (layout.last_checkpoint(run_dir)).resolve()
+    meta = (read_json(run_dir / layout.HEADS_META) or {}) if own else {}
+    old = meta.get("metrics") or {}
+    metrics = {**{k: v for k, v in old.items() if k != "exported_from"}, "exported_from": str(checkpoint)}
+    if not own:  # the run's validation figures and tree statistics describe its own last weights
+        if (run_dir / layout.TREE_STATS).exists():
+            (run_dir / layout.TREE_STATS).unlink()
+            log.warning("%s: removed %s (it described the run's own weights); run mtp-train on the run "
+                        "directory to record it for these", run_dir, layout.TREE_STATS)
+    # the run's own weights keep what made them (steps, rows, the cache); others are of unknown make
+    path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics, recipe=meta.get("recipe"))
+    log.info("heads written to %s", path)
+    return path

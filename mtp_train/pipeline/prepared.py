@@ -1,0 +1,75 @@
+"""What mtp-train, mtp-clp and mtp-eval ask of the prepared data (`mtp-prep` writes it): that it was
+made from this config's data settings, and where the hidden-state cache for these inputs is."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from mtp_train import layout
+from mtp_train.artifacts import read_manifest
+from mtp_train.config import Config
+from mtp_train.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def cache_compute(cfg: Config, backbone) -> str:
+    """The dtype the cache runs the backbone in: distillation's (data.distill.autocast)."""
+    from mtp_train.backbone import resolve_autocast
+
+    return resolve_autocast(backbone.device, cfg.data.distill.autocast)
+
+
+def cache_location(cfg: Config, backbone) -> tuple[str, Path]:
+    """(key, folder) of the hidden-state cache for this config's data, backbone and row length."""
+    from mtp_train.data.cache import STATES_DTYPE, cache_key
+
+    key = cache_key(layout.data_dirs(cfg), backbone.identity, layout.max_length(cfg), STATES_DTYPE,
+                    cache_compute(cfg, backbone))
+    return key, layout.cache_dir(cfg.data.output_dir, key)
+
+
+def open_cache(cfg: Config, backbone):
+    """The hidden-state cache for exactly these data, backbone and length, if one was built."""
+    from mtp_train.data.cache import HiddenCache
+
+    if not cfg.train.use_cache:
+        return None
+    key, path = cache_location(cfg, backbone)
+    m = read_manifest(path)
+    if m is None or m.get("config_hash") != key:
+        log.info("no hidden-state cache for these inputs (mtp-prep stage=cache builds one); "
+                 "running the backbone live")
+        return None
+    log.info("training from the hidden-state cache %s (%s tokens)", path, f"{m['tokens']:,}")
+    return HiddenCache(path)
+
+
+def labelled_data_config(cfg: Config):
+    """The data settings with the labelled dataset's folder as output (what the data stage hashes)."""
+    return dataclasses.replace(cfg.data, output_dir=str(layout.labelled_dir(cfg)))
+
+
+def check_labelled_is_current(cfg: Config, tokenizer) -> None:
+    from mtp_train.data.sources import data_stage_hash
+
+    m = read_manifest(layout.labelled_dir(cfg))
+    wanted = data_stage_hash(labelled_data_config(cfg), tokenizer, cfg.data.distill.enabled)
+    if m is None or m.get("config_hash") != wanted:
+        raise DataError(f"{layout.labelled_dir(cfg)} is missing or was built with other data settings; "
+                        f"run `mtp-prep stage=data` (or stage=all) with the same overrides first"
+                        + (" (backbone=tiny included)" if cfg.data.source == "tiny" else ""))
+
+
+def check_prepared_is_current(cfg: Config, tokenizer) -> None:
+    """The datasets mtp-train reads were prepared from this config's data settings: the labelled
+    dataset's hash matches them and the distilled one was made from that labelled dataset."""
+    check_labelled_is_current(cfg, tokenizer)
+    distilled, labelled = layout.distilled_dir(cfg), layout.labelled_dir(cfg)
+    if distilled in layout.data_dirs(cfg):
+        m, source = read_manifest(distilled), read_manifest(labelled)
+        if m is None or m.get("source_hash") != source.get("config_hash"):
+            raise DataError(f"{distilled} is missing or was distilled from other data than "
+                            f"{labelled}; run `mtp-prep stage=all` with the same overrides first")

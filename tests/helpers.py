@@ -1,0 +1,40 @@
+"""What a user runs before mtp-train and mtp-eval with the tiny backbone: `mtp-prep` (mtp_train never
+prepares data itself; data_prep/ does). The tests' train/eval calls go through these."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from data_prep.stages import run_prep
+from mtp_train.pipeline.evaluation import run_eval as _run_eval
+from mtp_train.pipeline.training import run_train as _run_train
+
+BIN = Path(sys.executable).parent
+
+
+def prepare_tiny(cfg) -> None:
+    """The data (and self-distilled answers, when training reads them) of the in-code tiny source."""
+    if cfg.data.source == "tiny":
+        for stage in ["data"] + (["distill"] if cfg.train.data_use != "labelled" else []):
+            run_prep(dataclasses.replace(cfg, stage=stage))
+
+
+def run_train(cfg) -> dict:
+    prepare_tiny(cfg)
+    return _run_train(cfg)
+
+
+def run_eval(cfg) -> dict:
+    if not cfg.eval.prompts:
+        prepare_tiny(cfg)
+    return _run_eval(cfg)
+
+
+def prep_cli(*overrides: str, cwd=None) -> None:
+    """`mtp-prep stage=all` with the overrides a following mtp-train subprocess gets."""
+    r = subprocess.run([str(BIN / "mtp-prep"), "stage=all", *overrides], cwd=cwd,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]

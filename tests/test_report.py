@@ -1,0 +1,149 @@
+"""mtp-report: the page a pipeline run leaves (runs/demo/report.md), its target rows, and the
+lines printed at the end of `make demo`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtp_train.errors import MtpError
+
+
+def _mode(speed, tau, rep=0.2, nll=0.6, same=True):
+    return {"speedup_vs_hf": speed, "tau": tau, "repetition_ratio": rep, "backbone_nll": nll,
+            "identical_to_greedy": same}
+
+
+def test_report_training_curves_from_the_csv_logger(tmp_path):
+    from mtp_train.report import training_curves, write_report
+
+    run = tmp_path / "train" / "csv" / "version_0"
+    run.mkdir(parents=True)
+    lines = ["epoch,step,train/loss_step,val/loss,val/sim_tau,val/agree_d1,val/agree_d2"]
+    lines += [f"0,{s},{1 - s / 100},,,," for s in range(0, 40, 10)]
+    lines += ["0,39,,0.7,1.3,0.2,0.1"]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+    png = training_curves(tmp_path / "train", tmp_path / "curves.png")
+    assert png.stat().st_size > 5000
+    with pytest.raises(MtpError, match="nothing to report"):
+        write_report(tmp_path / "empty")
+
+
+def test_report_targets_say_met_only_when_every_condition_holds():
+    from mtp_train.report import target_rows
+
+    def mode(speed, tau, rep=0.2, nll=0.6, same=True):
+        return {"speedup_vs_hf": speed, "tau": tau, "repetition_ratio": rep, "backbone_nll": nll,
+                "identical_to_greedy": same}
+
+    good = {"modes": {"greedy": mode(1.0, 1.0), "verify": mode(1.5, 2.0), "clp": mode(1.45, 1.8, 0.21, 0.65)}}
+    assert [met for *_, met in target_rows(good, 29 * 60)] == [True, True, True, True]
+    bad = {"modes": {"greedy": mode(1.0, 1.0), "verify": mode(1.5, 2.0, same=False),
+                     "clp": mode(1.6, 1.9, 0.25, 0.65)}}  # lossy "verify"; clp repeats +0.05
+    rows = target_rows(bad, 31 * 60)
+    assert [met for *_, met in rows] == [False, True, False, False]
+    assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2]
+    assert target_rows(bad, None, {"max_repetition_increase": 0.06})[2][3] is True  # the run's own bounds
+
+
+def test_report_targets_never_met_by_a_flagged_mode_or_an_uncalibrated_predictor():
+    from mtp_train.report import target_rows
+
+    good = {"modes": {"greedy": _mode(1.0, 1.0), "verify": _mode(1.5, 2.0), "clp": _mode(1.45, 1.8, 0.21, 0.65)}}
+    assert [met for *_, met in target_rows(good, None)] == [True, True, True]
+    # verify at 3x with tau 2 on a machine where greedy is HF's speed: beyond 1.15 * 2 = 2.3x
+    loaded = {"modes": {**good["modes"], "verify": _mode(3.0, 2.0)},
+              "flags": ["verify: speedup 3.00x exceeds what tau 2.00 allows (<= 2.30x); the machine was probably loaded"]}
+    rows = target_rows(loaded, None)
+    assert [met for *_, met in rows] == [False, False, True] and "flagged" in rows[0][2]
+    loaded.pop("flags")  # a report without flags: the bound is recomputed
+    assert [met for *_, met in target_rows(loaded, None)] == [False, False, True]
+    fast_clp = {"modes": {**good["modes"], "clp": _mode(4.33, 1.5, 0.2, 0.6)}}
+    assert target_rows(fast_clp, None)[2][3] is False
+    # clp whose predictor is not calibrated, or that commits nothing beyond greedy: never met
+    uncal = {**good, "predictors": {"clp": {"parameters": 195, "threshold": 1.0, "calibrated": False}}}
+    rows = target_rows(uncal, None)
+    assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
+    meta_says = target_rows(good, None, predictors={"clp": {"calibrated": False}})  # clp.json
+    assert meta_says[2][2] == "not calibrated (accepts nothing)" and meta_says[2][3] is False
+    assert target_rows(good, None, predictors={"clp": {"calibrated": True}})[2][3] is True
+    idle = {"modes": {**good["modes"], "clp": _mode(1.45, 1.005)},
+            "predictors": {"clp": {"calibrated": True}}}
+    rows = target_rows(idle, None)
+    assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
+
+
+def _flagged_run(tmp_path) -> dict:
+    """An eval report with timing rounds and a flagged clp, written as <tmp>/eval/eval_report.json."""
+
+    def details(rounds, bound):
+        return {"speedup_rounds": rounds, "speedup_spread": [min(rounds), max(rounds)],
+                "wall_s_rounds": [1.0] * len(rounds), "plausible_max_speedup": bound, "accept_hist": [1]}
+
+    modes = {"hf_generate": _mode(1.0, 1.0), "greedy": _mode(1.0, 1.0), "verify": _mode(1.21, 1.9),
+             "clp": _mode(4.33, 1.5)}
+    for m in modes.values():
+        m.update(tokens_per_s=10.0, alpha=[0.5], greedy_match_rate=1.0, n_prompts=2, new_tokens=20)
+    flag = "clp: speedup 4.33x exceeds what tau 1.50 allows (<= 1.73x); the machine was probably loaded"
+    report = {"modes": modes, "k": 1, "step_cost": 1.05, "sim_tau": None, "rounds": 3, "flags": [flag],
+              "prompt_source": "unseen", "max_new_tokens": 10, "elapsed_s": 5.0,
+              "predictors": {"clp": {"parameters": 195, "threshold": 0.5, "calibrated": True}},
+              "details": {"hf_generate": details([1.0, 1.0, 1.0], None), "greedy": details([0.9, 1.0, 1.1], None),
+                          "verify": details([1.15, 1.21, 1.30], 2.19), "clp": details([4.0, 4.33, 4.5], 1.725)}}
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    return report
+
+
+def test_report_page_shows_spread_and_flags_and_summary_says_not_met(tmp_path):
+    from mtp_train.report import summary, write_report
+
+    report = _flagged_run(tmp_path)
+    flag = report["flags"][0]
+    page = write_report(tmp_path).read_text()
+    assert "| verify | 1.21x (1.15-1.30) |" in page and "| hf_generate | 1.00x (1.00-1.00) |" in page
+    assert f"- {flag}" in page and "unseen prompts" in page and "median of 3 timing rounds" in page
+    assert "(tau 1.50), speedup implausible (flagged) | **no** |" in page
+    text = summary(tmp_path)
+    assert f"flag: {flag}" in text and "1.21x (1.15-1.30)" in text
+    assert "target NOT met: clp" in text and "target met: clp" not in text
+
+
+def test_report_never_meets_clp_with_an_uncalibrated_predictor_beside_it(tmp_path):
+    from mtp_train.report import summary, write_report
+
+    report = _flagged_run(tmp_path)
+    # an uncalibrated clp.json next to the report: "not calibrated (accepts nothing)", never met
+    (tmp_path / "clp" / "clp").mkdir(parents=True)
+    (tmp_path / "clp" / "clp" / "clp.json").write_text(json.dumps({"threshold": 1.0, "calibrated": False}))
+    report["predictors"] = {}
+    report["flags"], report["modes"]["clp"] = [], _mode(1.5, 1.3) | {"tokens_per_s": 1.0, "alpha": [0.2],
+                                                                      "greedy_match_rate": 0.5}
+    report["details"]["clp"]["plausible_max_speedup"] = 1.5
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    assert "not calibrated (accepts nothing) | **no** |" in write_report(tmp_path).read_text()
+    assert "target NOT met: clp: speedup within its quality bounds" in summary(tmp_path)
+
+
+def test_report_tree_targets_and_the_shortfall_explanation():
+    from mtp_train.report import TARGETS, shortfall_lines, target_rows
+
+    def mode(speed, tau):
+        return {"speedup_vs_hf": speed, "tau": tau, "identical_to_greedy": True, "speedup_vs_best_hf": speed}
+
+    report = {"modes": {"verify": mode(1.1, 1.4), "tree": mode(1.2, 1.6)},
+              "decoder": {"trees": {"candidates": [
+                  {"label": "tree4", "nodes": 4, "predicted_tau": 1.6, "verify_cost": 1.0, "draft_cost": 0.1},
+                  {"label": "tree63", "nodes": 63, "predicted_tau": 2.3, "verify_cost": 3.0, "draft_cost": 0.4}]}}}
+    rows = {what: met for what, _, _, met in target_rows(report, None)}
+    assert rows["tree: tau"] is False and rows["tree: speedup vs HF generate (same dtype), identical output"] is False
+    report["modes"]["tree"] = mode(TARGETS["tree_speedup"], TARGETS["tree_tau"])
+    rows = {what: met for what, _, _, met in target_rows(report, None)}
+    assert rows["tree: tau"] is True and rows["tree: speedup vs HF generate (same dtype), identical output"] is True
+    heads = {"k": 2, "metrics": {"val/agree_d1": 0.3, "val/agree_d2": 0.2, "val/sim_tau": 1.36}}
+    why = shortfall_lines(report, heads)
+    assert "0.30 / 0.20" in why[0] and "1.36" in why[0]
+    assert "tree63" in why[1] and "2.30" in why[1] and "3.00x" in why[1]
+    # the best tau / cost: tree4's 1.6 / 1.1 = 1.45 beats tree63's 2.3 / 3.4
+    assert "1.45 (tree4" in why[2]
