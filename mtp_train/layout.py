@@ -12,7 +12,7 @@ A training run (`mtp-train`, its Hydra run directory):
     checkpoints/last.ckpt              Lightning's (a directory of shards under DeepSpeed ZeRO)
     superseded/<recipe>/               what a changed recipe or force=true moved aside
 
-A CLP run (`mtp-clp`): labels/, one folder per predictor kind (clp.safetensors + clp.json),
+A CLP run (`mtp-clp`): acceptance_labels/, one folder per predictor kind (clp.safetensors + clp.json),
 stage_times.json. An evaluation (`mtp-eval`): eval_report.json, outputs.json and its plots.
 The demo pipeline (`make demo`) puts them under one root as train/, clp/, eval/ and report.md.
 
@@ -58,7 +58,7 @@ SUPERSEDED = "superseded"
 CSV_LOGS = "csv"
 
 # --- a CLP run -----------------------------------------------------------------------------------
-LABELS = "labels"
+LABELS = "acceptance_labels"  # CLP's acceptance labels (not the token masks a dataset calls labels)
 CLP_FILE, CLP_META = "clp.safetensors", "clp.json"
 STAGE_TIMES = "stage_times.json"
 

@@ -168,7 +168,7 @@ class OracleDrafter:
 def test_labels_from_heads_of_known_accuracy_give_the_known_histogram(tiny_backbone, tmp_path, right, label):
     from datasets import load_from_disk
 
-    from mtp_train.data.labels import make_labels
+    from mtp_train.data.acceptance import make_labels
     from mtp_train.decoding import Decoder
 
     dec = Decoder(tiny_backbone, eos_ids=[], drafter=OracleDrafter(tiny_backbone, right))
@@ -220,7 +220,7 @@ def _slow_greedy_path_labels(drafts, ids, greedy, answer):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_greedy_path_labels_match_the_definition_position_by_position(seed):
-    from mtp_train.data.labels import greedy_path_labels
+    from mtp_train.data.acceptance import greedy_path_labels
 
     g = torch.Generator().manual_seed(seed)
     T, k, V = 200, 3, 5
@@ -261,7 +261,7 @@ def test_damaged_labels_are_refused_naming_the_row_not_fitted(tmp_path, damage, 
     """The issue's case: bytes overwritten inside the Arrow file used to fit a NaN predictor."""
     from datasets import Dataset, load_from_disk
 
-    from mtp_train.data.labels import read_labels
+    from mtp_train.data.acceptance import read_labels
 
     out = _labels(tmp_path)
     assert len(read_labels(out, 3, 8)[0]) == 40

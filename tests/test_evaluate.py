@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from mtp_train import layout
 from mtp_train.errors import MtpError
 from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
 from tests.helpers import run_eval
@@ -280,7 +281,7 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
     (after the first predictor) leaves nothing half-written; the rerun redoes only what is missing and
     ends where an uninterrupted run ends."""
     import mtp_train.clp as clp_mod
-    import mtp_train.data.labels as labels_mod
+    import mtp_train.data.acceptance as labels_mod
     from mtp_train.pipeline.clp_run import run_clp
 
     root = trained_heads
@@ -314,8 +315,8 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
             with pytest.raises(_Killed):
                 run_clp(_eval_cfg(root, *args, f"paths.output_dir={out}"))
         if stage == "label":
-            assert not (out / "labels").exists()  # one of three shards done, kept for the rerun
-            finished = [p.name for p in (out / "labels.shards").iterdir() if p.is_dir() and ".tmp-" not in p.name]
+            assert not (out / layout.LABELS).exists()  # one of three shards done, kept for the rerun
+            finished = [p.name for p in layout.shards_dir(out / layout.LABELS).iterdir() if p.is_dir() and ".tmp-" not in p.name]
             assert finished == ["00000"]
         elif stage == "fit":
             assert (out / "clp" / "clp.safetensors").is_file() and not (out / "gate").exists()
@@ -341,7 +342,7 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
             mb = json.loads((out / kind / "clp.json").read_text())
             assert mb["fit"] == ma["fit"] and mb["label_histogram"] == ma["label_histogram"], (stage, kind)
             assert _deterministic_calibration(mb) == _deterministic_calibration(ma), (stage, kind)
-        assert not (out / "labels.shards").exists()
+        assert not layout.shards_dir(out / layout.LABELS).exists()
         assert not [p for p in out.rglob("*") if ".tmp-" in p.name or ".old-" in p.name], stage
 
 
@@ -402,7 +403,7 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
     from datasets import load_from_disk
 
     from mtp_train.backbone import load_backbone
-    from mtp_train.data.labels import labels_from_cache
+    from mtp_train.data.acceptance import labels_from_cache
     from mtp_train.decoding import Decoder
     from mtp_train.evaluate import held_out_prompts
     from mtp_train.heads import load_heads
@@ -485,7 +486,7 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
     run_prep(dataclasses.replace(cfg, stage="cache"))  # once: keyed by the data, reused after
     m = run_clp(cfg)["label"]
     assert m["split"] == split and m["n_prompts"] == len(load_from_disk(str(distilled_dir(cfg)))[split]) > 1
-    ds = load_from_disk(str(root / f"labels_{split}" / "labels")).with_format("numpy")
+    ds = load_from_disk(str(root / f"labels_{split}" / layout.LABELS)).with_format("numpy")
     rows, cache, first = distilled_cache(cfg, load_backbone(cfg.backbone), split)
     for r in (0, len(ds) - 1):  # a label's hidden state is a position of that split's row
         h = np.asarray(cache.row(split, first + int(ds["prompt"][r])), dtype=np.float32)

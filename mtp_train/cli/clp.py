@@ -4,7 +4,7 @@
   mtp-clp clp.heads=... stage=label                      # decode train prompts, record m* per step
   mtp-clp clp.heads=... stage=fit clp.use_head_probs=true
 
-Writes into the run directory: labels/ (HF dataset + manifest), and per predictor kind a directory
+Writes into the run directory: acceptance_labels/ (HF dataset + manifest), and per predictor kind a directory
 (clp/, gate/) with <kind>.safetensors-style clp.safetensors + clp.json (k, d, threshold, bounds, figures)
 that `mtp-eval eval.clp=<run>/clp eval.gate=<run>/gate` loads.
 """

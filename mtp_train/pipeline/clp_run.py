@@ -48,7 +48,7 @@ def distilled_cache(cfg: Config, backbone, split: str = "train"):
 
 def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256
-    from mtp_train.data.labels import labels_from_cache, make_labels
+    from mtp_train.data.acceptance import labels_from_cache, make_labels
     from mtp_train.evaluate import held_out_prompts
     from mtp_train.layout import labelled_dir
 
@@ -140,7 +140,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
         save_predictor,
         undo_class_weights,
     )
-    from mtp_train.data.labels import read_labels
+    from mtp_train.data.acceptance import read_labels
     from mtp_train.heads import count_parameters
     from mtp_train.layout import CLP_FILE, CLP_META
     from mtp_train.lit.predictor import SpanFitModule
