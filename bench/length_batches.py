@@ -70,19 +70,20 @@ def main(argv: list[str]) -> int:
         opt = torch.optim.AdamW(heads.parameters(), lr=cfg.train.lr)
         settings[w] = {"module": module, "opt": opt, "batches": batches, "pad": slots / real, "s": []}
 
+    def step(s: dict, batch: dict) -> None:
+        loss = s["module"].model_step(batch, "train")
+        s["opt"].zero_grad()
+        loss.backward()
+        s["opt"].step()
+
     def run(s: dict) -> float:
         t0 = time.perf_counter()
-        for b in s["batches"][1:]:  # the first batch of each setting is its warm-up, below
-            loss = s["module"].model_step(b, "train")
-            s["opt"].zero_grad()
-            loss.backward()
-            s["opt"].step()
+        for b in s["batches"][1:]:
+            step(s, b)
         return (time.perf_counter() - t0) / (len(s["batches"]) - 1)
 
-    for s in settings.values():  # warm-up: one step each
-        s["batches"], rest = s["batches"][:2], s["batches"]
-        run(s)
-        s["batches"] = rest
+    for s in settings.values():  # warm-up: each setting's first batch, untimed
+        step(s, s["batches"][0])
     for r in range(args.rounds):
         for w in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
             settings[w]["s"].append(run(settings[w]))

@@ -37,6 +37,7 @@ def _cfg(overrides: list[str]):
 
 
 def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], source: str = "unseen") -> dict:
+    from mtp_train.clp import saved_threshold
     from mtp_train.pipeline.clp_run import run_clp
     from mtp_train.pipeline.evaluation import run_eval
     from mtp_train.pipeline.training import run_train
@@ -65,7 +66,7 @@ def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], so
             "tree_tau": modes["tree"]["tau"], "tree_speedup": modes["tree"]["speedup_vs_hf"],
             "tree": (report.get("decoder") or {}).get("trees", {}).get("static"),
             "identical": bool(modes["verify"]["identical_to_greedy"] and modes["tree"]["identical_to_greedy"]),
-            "clp_speedup": modes["clp"]["speedup_vs_hf"], "clp_threshold": clp_meta.get("threshold", clp_meta.get("tau")),
+            "clp_speedup": modes["clp"]["speedup_vs_hf"], "clp_threshold": saved_threshold(clp_meta),
             "clp_calibrated": not accepts_nothing(report, "clp", {"clp": clp_meta}),
             "clp_within_bounds": within,
             "hf_tokens_per_s": modes["hf_generate"]["tokens_per_s"], "machine": report.get("machine")}

@@ -15,7 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 from mtp_train.artifacts import (
-    MANIFEST,
     is_up_to_date,
     publish_dir,
     read_manifest,
@@ -33,6 +32,7 @@ from mtp_train.data.sources import (
 )
 from mtp_train.data.template import render_batch
 from mtp_train.errors import DataError
+from mtp_train.layout import MANIFEST
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 
 from data_prep.cache import batch_states, write_shard
 from mtp_train.artifacts import (
-    MANIFEST,
     config_hash,
     is_up_to_date,
     publish_dir,
@@ -43,15 +42,14 @@ from mtp_train.artifacts import (
 )
 from mtp_train.backbone import autocast_to, cut_at_eos, eos_ids, resolve_autocast
 from mtp_train.config import DistillConfig
-from mtp_train.data.cache import STATES_DTYPE, shard_file, sidecar
+from mtp_train.data.cache import SPLITS, STATES_DTYPE, shard_file, sidecar
 from mtp_train.data.sources import tokenizer_identity
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
-from mtp_train.layout import PLAN, SHARD_META, SHARD_STATES, STATES
+from mtp_train.layout import MANIFEST, PLAN, SHARD_META, SHARD_STATES, STATES
 from mtp_train.layout import shards_dir as layout_shards_dir
 
 log = logging.getLogger(__name__)
-SPLITS = ("train", "validation")
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:

@@ -92,6 +92,13 @@ def held_out_calibration(predictor: SpanPredictor, hidden: torch.Tensor, head_pr
             "val/p_span1_observed": float((labels >= 1).float().mean())}
 
 
+def saved_threshold(meta: dict) -> float | None:
+    """The calibrated threshold a predictor's clp.json holds; files from before the rename call it
+    "tau". None when it holds neither."""
+    value = meta.get("threshold", meta.get("tau"))
+    return None if value is None else float(value)
+
+
 def span_from_probs(probs: torch.Tensor, threshold: float) -> torch.Tensor:
     """Class probabilities (..., k + 1) -> m = max{m : P(L >= m) >= threshold} (..., ) long."""
     tail = probs.flip(-1).cumsum(-1).flip(-1)  # (..., k+1): P(L >= m)

@@ -222,8 +222,9 @@ def training_curves(train_dir: Path, out: Path) -> Path | None:
     return out
 
 
-def _data_section(train_dir: Path) -> tuple[list[str], dict]:
-    """Data counts from the prepared datasets' manifests, found through the run's saved config."""
+def _data_section(train_dir: Path, heads: dict) -> tuple[list[str], dict]:
+    """Data counts from the prepared datasets' manifests, found through the run's saved config;
+    `heads` is the run's heads.json (it records the cache the run trained from)."""
     from mtp_train.pipeline.export import load_recipe
 
     try:
@@ -243,7 +244,7 @@ def _data_section(train_dir: Path) -> tuple[list[str], dict]:
                      f"validation answers by the backbone, {dis['answer_tokens']['train']:,} answer tokens (train)")
         times["distill"] = dis.get("elapsed_s_this_run")
     max_length = layout.max_length(cfg)
-    cache = ((_json(train_dir / layout.HEADS_META) or {}).get("recipe") or {}).get("cache")  # None: trained live
+    cache = (heads.get("recipe") or {}).get("cache")  # None: trained live
     if cache and (c := _json(Path(cache) / layout.MANIFEST)):
         lines.append(f"- hidden-state cache: {c['tokens']:,} tokens, {c['bytes'] / 1e6:.0f} MB "
                      f"({c['bytes_per_token']:.0f} bytes/token)")
@@ -264,7 +265,7 @@ def write_report(run_root: str | Path) -> Path:
     md += ["## What ran", ""]
     times: dict = {}
     if heads:
-        data_lines, times = _data_section(train)
+        data_lines, times = _data_section(train, heads)
         m = heads.get("metrics", {})
         md += [f"- backbone: `{heads['backbone']['name']}` (hidden {heads['backbone']['hidden_size']}, "
                f"vocabulary {heads['backbone']['vocab_size']:,}), frozen",
@@ -329,8 +330,10 @@ def write_report(run_root: str | Path) -> Path:
     preds = [(k, _json(layout.predictor_dir(clp, k) / layout.CLP_META)) for k in PREDICTOR_KINDS]
     preds = [(k, m) for k, m in preds if m]
     if preds:
+        from mtp_train.clp import saved_threshold
+
         md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
-        md += [f"| {k} | {m.get('parameters', 0):,} | {_fmt(m.get('threshold', m.get('tau')), 2)} | "
+        md += [f"| {k} | {m.get('parameters', 0):,} | {_fmt(saved_threshold(m), 2)} | "
                f"{'yes' if m.get('calibrated') else 'no threshold met the bounds: accepts nothing extra'} |"
                for k, m in preds]
         md.append("")

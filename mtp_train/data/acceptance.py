@@ -19,7 +19,6 @@ import torch
 from tqdm.auto import tqdm
 
 from mtp_train.artifacts import (
-    MANIFEST,
     config_hash,
     publish_dir,
     read_json,
@@ -28,7 +27,7 @@ from mtp_train.artifacts import (
     write_json_atomic,
 )
 from mtp_train.errors import MtpError
-from mtp_train.layout import PLAN, shards_dir
+from mtp_train.layout import MANIFEST, PLAN, shards_dir
 
 log = logging.getLogger(__name__)
 

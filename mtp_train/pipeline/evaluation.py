@@ -83,11 +83,13 @@ def unseen_prompts(cfg: Config, tokenizer):
 
 
 def predictor_threshold(meta: dict, path) -> float:
-    """A predictor's calibrated threshold; its clp.json from before the rename calls it "tau"."""
-    value = meta.get("threshold", meta.get("tau"))
+    """A predictor's calibrated threshold (`clp.saved_threshold`), refused when its clp.json has none."""
+    from mtp_train.clp import saved_threshold
+
+    value = saved_threshold(meta)
     if value is None:
         raise MtpError(f"{path}: clp.json holds no threshold; rerun `mtp-clp stage=calibrate`")
-    return float(value)
+    return value
 
 
 def load_span_policies(cfg: Config, backbone, heads) -> dict:
