@@ -77,17 +77,22 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 @torch.no_grad()
 def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dtype: str = STATES_DTYPE,
                 shard_rows: int = 256, batch_tokens: int = 4096, compute: str = "float32",
-                known: Callable[[str, int], RowStates | None] | None = None) -> dict:
+                known: Callable[[str, int], RowStates | None] | None = None,
+                aux_layers: list[int] | None = None) -> dict:
     """Hidden states of every row of `splits` ({split: dataset with input_ids}) into `out`.
 
     Rows are run in batches of similar length (`length_batches`) under autocast to `compute`;
     `known(split, i)` may hand over a row's states computed earlier (self-distillation keeps the
-    states of the rows it generates), which are then cropped and stored instead of recomputed."""
+    states of the rows it generates), which are then cropped and stored instead of recomputed.
+    With `aux_layers` the inputs of those decoder layers are stored too (`.aux.npy`); distillation
+    kept no such states, so every row is run then."""
     out = Path(out)
     if (m := read_manifest(out)) is not None and m.get("config_hash") == key:
         log.info("cache: %s is up to date", out)
         return m
     out.mkdir(parents=True, exist_ok=True)
+    if aux_layers:
+        known = None
     t0, computed, reused = time.time(), 0, 0
     total = sum(len(splits[s]) for s in SPLITS)
     bar = tqdm(total=total, unit="row", desc="hidden-state cache", dynamic_ncols=True)
@@ -110,7 +115,7 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
             todo = [j for j in range(len(ids)) if j not in states]
             for batch in length_batches([len(ids[j]) for j in todo], batch_tokens):
                 rows_b = [todo[i] for i in batch]
-                done = _hidden_rows(backbone, [ids[j] for j in rows_b], dtype, compute)
+                done = _hidden_rows(backbone, [ids[j] for j in rows_b], dtype, compute, aux_layers)
                 for j, st in zip(rows_b, done, strict=True):
                     states[j] = st
                     computed += len(ids[j])
@@ -118,14 +123,15 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
             hidden = np.concatenate([states[j][0] for j in range(len(ids))])  # (tokens, d)
             offsets = np.cumsum([0] + [len(x) for x in ids]).astype(np.int64)  # (rows + 1,)
             write_shard(final, hidden, offsets, np.concatenate([states[j][1] for j in range(len(ids))]),
-                        np.concatenate([states[j][2] for j in range(len(ids))]))
+                        np.concatenate([states[j][2] for j in range(len(ids))]),
+                        np.concatenate([states[j][3] for j in range(len(ids))]) if aux_layers else None)
     bar.close()
     elapsed = time.time() - t0
     stored = sum(f.stat().st_size for f in out.glob("*.npy"))
     n_tokens = sum(int(np.load(f, mmap_mode="r").shape[0]) for f in out.glob("*-?????.npy"))
     manifest = {"stage": "cache", "config_hash": key, "format": FORMAT, "dtype": dtype,
                 "compute": compute, "max_length": max_length,
-                "hidden_size": backbone.hidden_size,
+                "hidden_size": backbone.hidden_size, "aux_layers": list(aux_layers) if aux_layers else None,
                 "rows": {s: len(splits[s]) for s in SPLITS}, "shard_rows": shard_rows,
                 "batch_tokens": batch_tokens,
                 "tokens": n_tokens, "bytes": stored,
@@ -138,21 +144,25 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
 
 
 def write_shard(final: Path, hidden: np.ndarray, offsets: np.ndarray, stats: np.ndarray,
-                top: np.ndarray) -> None:
-    """One shard: hidden (tokens, d), offsets (rows + 1,), stats (tokens, 2), top (tokens,).
-    The hidden file is written last, under a temporary name: its presence marks the shard done."""
+                top: np.ndarray, aux: np.ndarray | None = None) -> None:
+    """One shard: hidden (tokens, d), offsets (rows + 1,), stats (tokens, 2), top (tokens,) and
+    optionally aux (tokens, n * d). The hidden file is written last, under a temporary name: its
+    presence marks the shard done."""
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}.npy")
     np.save(tmp, hidden)
     np.save(offsets_file(final), offsets)
     np.save(sidecar(final, "stats"), stats)
     np.save(sidecar(final, "top"), top)
+    if aux is not None:
+        np.save(sidecar(final, "aux"), aux)
     os.replace(tmp, final)
 
 
-def batch_states(hidden: list[torch.Tensor], lm_head, dtype: str) -> list[RowStates]:
-    """Rows' final hidden states [(T_i, d)] -> what the cache stores for each. The stats come from
-    one pass of the LM head over all the rows' positions together, in chunks of positions, never
-    a (T, V) float32 tensor at once."""
+def batch_states(hidden: list[torch.Tensor], lm_head, dtype: str,
+                 aux: list[torch.Tensor] | None = None) -> list[RowStates]:
+    """Rows' final hidden states [(T_i, d)] (and auxiliary states [(T_i, n * d)]) -> what the cache
+    stores for each. The stats come from one pass of the LM head over all the rows' positions
+    together, in chunks of positions, never a (T, V) float32 tensor at once."""
     from mtp_train.teacher import stats_from_hidden
 
     flat = torch.cat(hidden)  # (sum T_i, d)
@@ -161,7 +171,10 @@ def batch_states(hidden: list[torch.Tensor], lm_head, dtype: str) -> list[RowSta
     stats = torch.stack([st["lse"], st["entropy"]], -1).cpu().numpy()  # (sum T_i, 2)
     top = st["top"].cpu().numpy().astype(np.int32)
     cuts = np.cumsum([len(x) for x in hidden])[:-1]
-    return list(zip(np.split(h, cuts), np.split(stats, cuts), np.split(top, cuts), strict=True))
+    parts = [np.split(h, cuts), np.split(stats, cuts), np.split(top, cuts)]
+    if aux is not None:
+        parts.append(np.split(torch.cat(aux).float().cpu().numpy().astype(NP_DTYPES[dtype]), cuts))
+    return list(zip(*parts, strict=True))
 
 
 def right_pad(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,9 +188,11 @@ def right_pad(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return inp, attn
 
 
-def _hidden_rows(backbone, ids: list[list[int]], dtype: str, compute: str = "float32") -> list[RowStates]:
+def _hidden_rows(backbone, ids: list[list[int]], dtype: str, compute: str = "float32",
+                 aux_layers: list[int] | None = None) -> list[RowStates]:
     """One right-padded batch -> each row's stored states, in the order given."""
     inp, attn = right_pad(ids)
     with autocast_to(backbone.device, compute):
-        h = backbone.hidden_states(inp.to(backbone.device), attn.to(backbone.device))  # (B, T, d)
-        return batch_states([h[i, : len(x)] for i, x in enumerate(ids)], backbone.lm_head, dtype)
+        h, aux = backbone.hidden_and_aux(inp.to(backbone.device), attn.to(backbone.device), aux_layers)
+        return batch_states([h[i, : len(x)] for i, x in enumerate(ids)], backbone.lm_head, dtype,
+                            None if aux is None else [aux[i, : len(x)] for i, x in enumerate(ids)])

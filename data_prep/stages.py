@@ -86,6 +86,7 @@ def _stage_distill(cfg: Config) -> dict:
 def _stage_cache(cfg: Config) -> dict:
     from data_prep.cache import build_cache, reusable_states
     from mtp_train.backbone import load_backbone
+    from mtp_train.heads import aux_layers_for
     from mtp_train.lit.data import load_splits
 
     backbone = load_backbone(cfg.backbone)
@@ -93,7 +94,8 @@ def _stage_cache(cfg: Config) -> dict:
     compute = cache_compute(cfg, backbone)
     m = build_cache(load_splits(data_dirs(cfg)), backbone, out, key,
                     max_length(cfg), compute=compute,
-                    known=reusable_states(data_dirs(cfg), backbone.identity, compute))
+                    known=reusable_states(data_dirs(cfg), backbone.identity, compute),
+                    aux_layers=aux_layers_for(cfg.heads, backbone.config))
     reused = m.get("tokens_reused_this_run", 0)
     return {"where": str(out),
             "rows": f"{m['tokens']:,} tokens of train.data_use={cfg.train.data_use}, "

@@ -90,6 +90,17 @@ class Backbone:
         out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)
         return out.last_hidden_state
 
+    def hidden_and_aux(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       aux_layers: list[int] | None = None):
+        """Final hidden states (B, T, d) and, for `aux_layers`, the inputs of those decoder layers
+        (id 0 = the embeddings) concatenated, (B, T, n * d), as vLLM records them for EAGLE-3; None
+        without aux_layers."""
+        if not aux_layers:
+            return self.hidden_states(input_ids, attention_mask), None
+        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                    output_hidden_states=True)
+        return out.last_hidden_state, torch.cat([out.hidden_states[i] for i in aux_layers], -1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # (B, T, V)
 

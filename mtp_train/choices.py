@@ -6,8 +6,8 @@ from __future__ import annotations
 BACKBONE_SOURCES = ("hf", "gguf", "tiny")
 DATA_SOURCES = ("sharegpt", "jsonl", "disk", "tiny")
 DTYPES = ("float32", "bfloat16", "float16")
-HEAD_TYPES = ("medusa", "chained")
-HEAD_LM = ("shared", "copy")  # medusa: the backbone's LM head, or a trainable copy
+HEAD_TYPES = ("medusa", "chained", "eagle3")
+HEAD_LM = ("shared", "copy")  # medusa, eagle3: the backbone's LM head (frozen), or a trainable copy
 HEAD_INITS = ("copy_last", "random")  # chained: a block starts as the backbone's last layer, or random
 LOSS_NAMES = ("ce", "kl", "tv", "e2e_tv")
 SEGMENT_RULES = ("diff", "zscore")  # AdaMTP's entropy-surge rule
@@ -28,5 +28,7 @@ EVAL_MODES = {"greedy": "greedy", "verify": "verify", "tree": "verify", "dynamic
 ADAPTIVE_POLICIES = ("cost", "entropy")  # eval.adaptive_policy
 PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source without eval.prompts
 EVAL_DTYPES = ("auto", "float32", "bfloat16")
+
+EXPORT_FORMATS = ("native", "eagle3", "medusa")  # mtp-export-heads --format
 
 IGNORE_INDEX = -100  # a token position with no target (labels), as torch's cross-entropy reads it

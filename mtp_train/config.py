@@ -133,6 +133,10 @@ class HeadsConfig:
     # chained: one module (projection, norms, block) applied at every depth instead of one per depth
     # (EAGLE's single draft layer): 1/k of the parameters, each trained by every depth's targets
     share: bool = False
+    # eagle3: the backbone layers whose inputs the draft layer fuses (null = EAGLE-3's 2, L/2, L-3)
+    aux_layers: list[int] | None = None
+    # eagle3: the residual around attention is hidden_norm(h) instead of h
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.type, HEAD_TYPES, "heads.type")
@@ -147,6 +151,13 @@ class HeadsConfig:
                f"must be >= 2 or null (the whole vocabulary), got {self.draft_vocab}")
         _check(not (self.type == "chained" and self.lm_head == "copy"), "heads.lm_head",
                "chained MTP modules share the backbone's LM head; lm_head=copy is for medusa")
+        _check(self.aux_layers is None or self.type == "eagle3", "heads.aux_layers",
+               "names the backbone layers EAGLE-3 heads read; set heads=eagle3 or leave it null")
+        if self.aux_layers is not None:
+            self.aux_layers = [int(i) for i in self.aux_layers]
+            _check(len(self.aux_layers) >= 1 and len(set(self.aux_layers)) == len(self.aux_layers)
+                   and min(self.aux_layers) >= 0, "heads.aux_layers",
+                   f"must be distinct layer ids >= 0, got {self.aux_layers}")
         _check(not (self.share and self.type != "chained"), "heads.share",
                "shares one chained module across depths; Medusa heads read the same input at every depth")
 

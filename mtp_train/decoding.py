@@ -51,6 +51,7 @@ from torch import nn
 
 from mtp_train.backbone import cut_at_eos
 from mtp_train.choices import DECODER_MODES
+from mtp_train.heads.eagle3 import attend_rows
 from mtp_train.trees import DraftTree, TreeShape, greedy_accept, tree_attention_mask
 
 MODES = DECODER_MODES
@@ -192,7 +193,7 @@ class MedusaDrafter:
     def reset(self) -> None:
         pass
 
-    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
         self._h, self._lp = hidden[-1].to(self.dtype), None
 
     def _all(self) -> torch.Tensor:
@@ -236,7 +237,7 @@ class ChainedDrafter:
         self.caches = [self._cache_cls() for _ in range(self.k)]
         self.states: list[torch.Tensor | None] = [None] * self.k  # module j's committed rows 0..
 
-    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
         self.tokens, self.hidden, self.p = tokens, hidden, len(tokens) - 2
         self.scratch: list[dict[int, torch.Tensor]] = [{} for _ in range(self.k)]
 
@@ -284,17 +285,101 @@ class ChainedDrafter:
         return torch.log_softmax(self.mm.mm(rows, self.weight).float(), -1)  # (len(expand), |D|)
 
 
+class Eagle3Drafter:
+    """EAGLE-3 heads: one draft layer with one KV cache, as an engine runs it.
+
+    The cache holds the depth-1 row of every committed position s (inputs: the backbone's fused
+    auxiliary states at s and the token x_{s+1}, rotary position s); those inputs are final once
+    x_{s+1} is committed, so the rows stay. Expanding a tree node u at depth d runs a scratch row at
+    position p + d with u's token and, as its hidden input, the output of u's parent's row (row p
+    for a child of the root); it attends to the committed rows and to the scratch rows of u's
+    ancestors and itself (training-time test's pattern). Scratch rows live for one step only: after
+    verification the committed positions get their depth-1 rows from the backbone's own states."""
+
+    def __init__(self, heads, embed: nn.Module, mm: MatmulPlan):
+        self.heads, self.k, self.embed, self.mm = heads, heads.k, embed, mm
+        self.layer = heads.layer
+        self.dtype = next(heads.parameters()).dtype
+        self.weight = heads.lm_head.weight.detach().to(self.dtype).contiguous()  # (|D|, d)
+        self.to_tokens = heads.to_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys = self.values = None  # (1, H_kv, L, hd): committed positions 0..L-1
+        self.last = None  # output (d,) of the last committed row
+
+    def begin(self, tokens: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
+        if aux is None:
+            raise ValueError("EAGLE-3 drafting needs the backbone's auxiliary states")
+        self.tokens, self.aux, self.p = tokens, aux, len(tokens) - 2
+        self.scratch: dict[int, tuple] = {}  # node -> (key, value, output)
+        self.order: list[int] = []  # scratch nodes in key order
+
+    def _rows(self, emb, h, positions, allow):
+        """Run the layer on rows emb, h (m, d) at `positions` (m,), attending where `allow`
+        (m, L + S + m) is True over [committed keys; scratch keys in order; these rows' keys]
+        -> (keys, values (1, H_kv, m, hd), outputs (m, d))."""
+        cos, sin = self.heads.rotary(h[None], positions[None])
+        q, k, v, res = self.layer.qkv(emb[None], h[None], cos, sin)
+        committed_k = [] if self.keys is None else [self.keys]
+        committed_v = [] if self.values is None else [self.values]
+        keys = torch.cat([*committed_k, *(self.scratch[u][0] for u in self.order), k], 2)
+        values = torch.cat([*committed_v, *(self.scratch[u][1] for u in self.order), v], 2)
+        out = self.layer.finish(attend_rows(self.layer, q, keys, values, allow), res)[0]
+        return k, v, out
+
+    def _commit_rows(self) -> None:
+        start = 0 if self.keys is None else self.keys.shape[2]
+        n = self.p + 1 - start
+        if n <= 0:
+            return
+        dev = self.tokens.device
+        emb = self.embed(self.tokens[start + 1: self.p + 2]).to(self.dtype)  # x_{s+1}, (n, d)
+        h = self.heads.fuse(self.aux[start: self.p + 1].to(self.dtype))  # (n, d)
+        allow = torch.ones(n, start + n, dtype=torch.bool)
+        allow[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
+        k, v, out = self._rows(emb, h, torch.arange(start, self.p + 1, device=dev), allow)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], 2)
+        self.values = v if self.values is None else torch.cat([self.values, v], 2)
+        self.last = out[-1]
+
+    def level(self, j: int, expand: list[int], tree: DraftTree) -> torch.Tensor:
+        if j == 1:
+            self._commit_rows()
+        new = [u for u in expand if u >= 0 and u not in self.scratch]
+        if new:
+            dev = self.tokens.device
+            emb = self.embed(torch.tensor([tree.tokens[u] for u in new], device=dev)).to(self.dtype)
+            h = torch.stack([self.last if tree.parents[u] < 0 else self.scratch[tree.parents[u]][2] for u in new])
+            L, S, m = self.keys.shape[2], len(self.order), len(new)
+            allow = torch.zeros(m, L + S + m, dtype=torch.bool)
+            allow[:, :L] = True
+            col = {u: L + i for i, u in enumerate(self.order)} | {u: L + S + i for i, u in enumerate(new)}
+            for i, u in enumerate(new):
+                allow[i, [col[a] for a in tree.path_to(u)]] = True
+            pos = torch.tensor([self.p + tree.depths[u] for u in new], device=dev)
+            k, v, out = self._rows(emb, h, pos, allow)
+            for i, u in enumerate(new):
+                self.scratch[u] = (k[:, :, i: i + 1], v[:, :, i: i + 1], out[i])
+            self.order += new
+        rows = torch.stack([self.last if u < 0 else self.scratch[u][2] for u in expand])
+        return torch.log_softmax(self.mm.mm(self.heads.norm(rows), self.weight).float(), -1)
+
+
 def make_drafter(heads, backbone, mm: MatmulPlan):
     if heads is None:
         return None
+    if getattr(heads, "aux_layers", None):
+        return Eagle3Drafter(heads, backbone.embed_tokens, mm)
     if hasattr(heads, "module_step"):
         return ChainedDrafter(heads, backbone.lm_head, backbone.embed_tokens, mm)
     return MedusaDrafter(heads, backbone.lm_head, mm)
 
 
-def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_depth: int) -> DraftTree:
+def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_depth: int,
+               aux: torch.Tensor | None = None) -> DraftTree:
     """Draft the nodes `plan` asks for (a TreeShape or a DynamicTree), level by level, no deeper than
-    `max_depth`. A drafter with only `draft(tokens, hidden, n)` (tests' scripted drafters) drafts
+    `max_depth`; `aux` (N - 1, n * d): the backbone's auxiliary states, for EAGLE-3 heads. A drafter with only `draft(tokens, hidden, n)` (tests' scripted drafters) drafts
     chains."""
     tree = DraftTree()
     if isinstance(plan, TreeShape):
@@ -309,7 +394,7 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
         for i, (t, q) in enumerate(zip(drafts.tolist(), probs.tolist(), strict=True)):
             tree.add(t, i - 1, 0.0, q, ranks=(0,) * (i + 1))
         return tree
-    drafter.begin(tokens, hidden)
+    drafter.begin(tokens, hidden, aux)
     if isinstance(plan, TreeShape):
         node_of: dict[tuple, int] = {(): -1}
         by_depth: dict[int, list[tuple]] = {}
@@ -460,6 +545,7 @@ class _State:
     cache: object  # the backbone's KV cache: N - 1 rows
     new: list[int]  # the new tokens so far
     entropy: float = 0.0  # of the distribution that made the last committed token
+    aux: torch.Tensor | None = None  # (N - 1, n * d): the auxiliary layers' states, for EAGLE-3 heads
 
 
 class Decoder:
@@ -473,6 +559,7 @@ class Decoder:
         self.base = backbone.model.base_model  # transformer without the LM head
         self.weight = backbone.lm_head.weight.detach()  # (V, d)
         self.heads = self.draft_heads = heads
+        self.aux_layers = getattr(heads, "aux_layers", None)  # backbone layers the heads read (EAGLE-3)
         self._mm = matmul
         self.drafter = drafter if drafter is not None else make_drafter(heads, backbone, self.mm)
         self.k = self.drafter.k if self.drafter is not None else 0
@@ -545,6 +632,13 @@ class Decoder:
         """(n,) tokens after the cached ones -> backbone states (n, d); the cache grows by n."""
         return self.base(input_ids=ids[None], cache=cache, use_cache=True, **kw).last_hidden_state[0]
 
+    def _forward_aux(self, ids: torch.Tensor, cache, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `_forward`, plus the inputs of the heads' auxiliary layers (n, n_aux * d) (or None)."""
+        if not self.aux_layers:
+            return self._forward(ids, cache, **kw), None
+        out = self.base(input_ids=ids[None], cache=cache, use_cache=True, output_hidden_states=True, **kw)
+        return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in self.aux_layers], -1)
+
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", **opts) -> DecodeResult:
         """Decode `prompt` (token ids) for at most max_new_tokens new tokens; see `_generate`."""
         with self._routing(), torch.inference_mode():
@@ -573,23 +667,23 @@ class Decoder:
         t0 = time.perf_counter()
         cache = DynamicCache()
         ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
-        hidden = self._forward(ids, cache)  # (P, d)
+        hidden, aux = self._forward_aux(ids, cache)  # (P, d), (P, n * d) or None
         logits = self.mm.mm(hidden[-1:], self.weight)
         first = int(logits[0].argmax())
         st = _State(tokens=torch.cat([ids, torch.tensor([first], device=self.device)]), hidden=hidden,
-                    cache=cache, new=[first], entropy=_entropy(logits[0]))
+                    cache=cache, new=[first], entropy=_entropy(logits[0]), aux=aux)
         res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         while not self._done(st.new, max_new_tokens):
             room = max_new_tokens - len(st.new) - 1  # no draft past the token budget
             plan = self._plan(mode, tree, st, span_policy, depth_policy)
-            d = draft_tree(self.drafter, st.tokens, st.hidden, plan, room) if self.drafter else DraftTree()
+            d = draft_tree(self.drafter, st.tokens, st.hidden, plan, room, st.aux) if self.drafter else DraftTree()
             if mode in ("clp", "clp+verify") and getattr(span_policy, "needs_probs", True) and d.n:
                 d = d.keep(list(range(min(d.n, int(span_policy(st.hidden[-1], torch.tensor(d.probs)))))))
-            out, logits = self._verify(st, d)
+            out, logits, aux = self._verify(st, d)
             path = self._accept(mode, d, logits, delta, budget)
             n_before = len(st.tokens)
-            self._commit(st, d, path, out, logits)
+            self._commit(st, d, path, out, logits, aux)
             self._record(res, st, d, path, plan, n_before, mode, depth_policy, trace, record)
         res.decode_s = time.perf_counter() - t1
         res.cache_length = st.cache.get_seq_length()
@@ -620,17 +714,18 @@ class Decoder:
             return tree
         return TreeShape.chain(self.k)
 
-    def _verify(self, st: _State, d: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """One backbone forward over [x, nodes] -> states (n + 1, d) and logits (n + 1, V)."""
+    def _verify(self, st: _State, d: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One backbone forward over [x, nodes] -> states (n + 1, d), logits (n + 1, V) and the
+        auxiliary layers' states (n + 1, n_aux * d) or None."""
         ids = torch.cat([st.tokens[-1:], torch.tensor(d.tokens, dtype=torch.long, device=self.device)])
         if d.is_chain():
-            out = self._forward(ids, st.cache)
+            out, aux = self._forward_aux(ids, st.cache)
         else:
             cached = st.cache.get_seq_length()
             pos = torch.tensor([cached] + [cached + x for x in d.depths], device=self.device)[None]
             mask = tree_attention_mask(d.parents, cached, st.hidden.dtype, self.device)
-            out = self._forward(ids, st.cache, attention_mask=mask, position_ids=pos)
-        return out, self.mm.mm(out, self.weight)
+            out, aux = self._forward_aux(ids, st.cache, attention_mask=mask, position_ids=pos)
+        return out, self.mm.mm(out, self.weight), aux
 
     def _accept(self, mode: str, d: DraftTree, logits: torch.Tensor, delta: float, budget: float) -> list[int]:
         """The node indices to keep, root first."""
@@ -641,7 +736,8 @@ class Decoder:
             return list(range(self._relaxed(logits[: d.n], drafts, delta, budget)))
         return greedy_accept(d, logits.argmax(-1).tolist())
 
-    def _commit(self, st: _State, d: DraftTree, path: list[int], out: torch.Tensor, logits: torch.Tensor) -> None:
+    def _commit(self, st: _State, d: DraftTree, path: list[int], out: torch.Tensor, logits: torch.Tensor,
+                aux: torch.Tensor | None = None) -> None:
         """Commit the path and the backbone's token after it; keep the path's KV rows and states."""
         rows = [0] + [1 + v for v in path]  # rows of [x, nodes] to keep
         cached = st.cache.get_seq_length() - (d.n + 1)
@@ -653,6 +749,8 @@ class Decoder:
         bonus = int(logits[last].argmax())
         committed = [d.tokens[v] for v in path] + [bonus]
         st.hidden = torch.cat([st.hidden, out[rows]])
+        if aux is not None:
+            st.aux = torch.cat([st.aux, aux[rows]])
         st.tokens = torch.cat([st.tokens, torch.tensor(committed, dtype=torch.long, device=self.device)])
         st.new.extend(committed)
         st.entropy = _entropy(logits[last])
@@ -738,15 +836,16 @@ class Decoder:
             from transformers import DynamicCache
 
             ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
-            hidden = self._forward(ids, DynamicCache())
+            hidden, aux = self._forward_aux(ids, DynamicCache())
             tokens = torch.cat([ids, ids[-1:]])
             times = []
             for r in range(reps + 1):
                 self.drafter.reset()
                 if hasattr(self.drafter, "level"):  # fill the module caches: a step then drafts warm
-                    draft_tree(self.drafter, tokens[:-1], hidden[:-1], TreeShape.chain(self.k), self.k)
+                    draft_tree(self.drafter, tokens[:-1], hidden[:-1], TreeShape.chain(self.k), self.k,
+                               None if aux is None else aux[:-1])
                 t0 = time.perf_counter()
-                draft_tree(self.drafter, tokens, hidden, plan, self.k)
+                draft_tree(self.drafter, tokens, hidden, plan, self.k, aux)
                 if r:
                     times.append(time.perf_counter() - t0)
             self.drafter.reset()

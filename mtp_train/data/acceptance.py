@@ -142,7 +142,9 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
     if (m := read_manifest(out)) is not None and m.get("config_hash") == key:
         log.info("labels: %s is up to date", out)
         return m
-    k, weight, embed = heads.k, heads.draft_weight(backbone.lm_head).float(), backbone.embed_tokens
+    k, embed = heads.k, backbone.embed_tokens
+    dtype = next(heads.parameters()).dtype
+    with_aux = bool(getattr(heads, "aux_layers", None))  # EAGLE-3 heads read auxiliary layers too
     cols = {"hidden": [], "head_probs": [], "label": [], "prompt": []}
     for i in tqdm(range(first, len(rows)), desc="acceptance labels (cache)", unit="row", dynamic_ncols=True):
         ids = torch.as_tensor(rows[i]["input_ids"], dtype=torch.long)
@@ -151,8 +153,9 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
         greedy = torch.from_numpy(np.asarray(cache.stats(split, i)["top"]).astype(np.int64))  # (T,)
         T = len(hidden)
         ids, answer, hidden, greedy = ids[:T], answer[:T], hidden[:T], greedy[:T]
-        head_hidden = heads(hidden[None].to(weight.dtype), ids[None], embed)[0]  # (T, k, d)
-        prob, idx = torch.softmax(head_hidden.float() @ weight.T, -1).max(-1)  # (T, k) each
+        aux = torch.from_numpy(np.asarray(cache.aux(split, i)[:T], dtype=np.float32))[None] if with_aux else None
+        head_hidden = heads(hidden[None].to(dtype), ids[None], embed, aux=aux)[0]  # (T, k, d)
+        prob, idx = torch.softmax(heads.project(head_hidden, backbone.lm_head).float(), -1).max(-1)  # (T, k)
         pos, label = greedy_path_labels(heads.to_tokens(idx), ids, greedy, answer)
         cols["hidden"].append(hidden[pos].numpy())
         cols["head_probs"].append(prob[pos].numpy())

@@ -11,6 +11,10 @@ memory-maps (no pickle, nothing loaded whole).
 
 The cache directory is keyed by the hash of the datasets' manifests, the backbone's identity, the
 row length and the dtype: a changed input gets a new key, so a stale cache is never read.
+
+Heads that read more of the backbone than its final state (EAGLE-3 fuses the inputs of three decoder
+layers) need those states too: with `aux_layers` the cache also stores them, concatenated, as an
+`.aux.npy` sidecar per shard ((tokens, n * d), same dtype), and the layer ids join the key.
 """
 
 from __future__ import annotations
@@ -30,15 +34,18 @@ STATES_DTYPE = "float16"  # how hidden states are stored
 
 
 def cache_key(data_dirs: list[Path], backbone_identity: dict | None, max_length: int, dtype: str,
-              compute: str = "float32") -> str:
+              compute: str = "float32", aux_layers: list[int] | None = None) -> str:
     manifests = []
     for d in data_dirs:
         m = read_manifest(d)
         if m is None:
             raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` first")
         manifests.append(m["config_hash"])
-    return config_hash({"data": manifests, "backbone": backbone_identity, "max_length": max_length,
-                        "dtype": dtype, "compute": compute, "format": FORMAT})
+    key = {"data": manifests, "backbone": backbone_identity, "max_length": max_length,
+           "dtype": dtype, "compute": compute, "format": FORMAT}
+    if aux_layers:  # absent otherwise, so the caches of the other head families keep their keys
+        key["aux_layers"] = [int(i) for i in aux_layers]
+    return config_hash(key)
 
 
 def shard_file(out: Path, split: str, idx: int) -> Path:
@@ -46,8 +53,8 @@ def shard_file(out: Path, split: str, idx: int) -> Path:
 
 
 # A row's stored states: hidden (T, d) in the storage dtype, stats (T, 2) float32 [lse, entropy],
-# greedy tokens (T,) int32
-RowStates = tuple[np.ndarray, np.ndarray, np.ndarray]
+# greedy tokens (T,) int32 (+ auxiliary states (T, n * d) when the cache stores them)
+RowStates = tuple[np.ndarray, ...]
 
 
 def offsets_file(hidden_file: Path) -> Path:
@@ -60,7 +67,8 @@ def sidecar(hidden_file: Path, what: str) -> Path:
 
 class HiddenCache:
     """Memory-mapped read access: `cache.row(split, i)` -> (T_i, d) hidden states,
-    `cache.stats(split, i)` -> {"lse", "entropy": (T_i,) float32, "top": (T_i,) int32}."""
+    `cache.stats(split, i)` -> {"lse", "entropy": (T_i,) float32, "top": (T_i,) int32},
+    `cache.aux(split, i)` -> (T_i, n_aux * d) when the cache was built with auxiliary layers."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -72,10 +80,12 @@ class HiddenCache:
     def _open(self, split: str):
         shards, i = [], 0
         while (f := shard_file(self.path, split, i)).is_file():
+            aux = sidecar(f, "aux")
             shards.append((np.load(f, mmap_mode="r", allow_pickle=False),
                            np.load(offsets_file(f), allow_pickle=False),
                            np.load(sidecar(f, "stats"), mmap_mode="r", allow_pickle=False),
-                           np.load(sidecar(f, "top"), mmap_mode="r", allow_pickle=False)))
+                           np.load(sidecar(f, "top"), mmap_mode="r", allow_pickle=False),
+                           np.load(aux, mmap_mode="r", allow_pickle=False) if aux.is_file() else None))
             i += 1
         # shards may hold different numbers of rows (distillation's do): the first row of each
         first = np.cumsum([0] + [len(sh[1]) - 1 for sh in shards])
@@ -96,6 +106,18 @@ class HiddenCache:
     def row(self, split: str, i: int) -> np.ndarray:
         shard, span = self._locate(split, i)
         return shard[0][span]
+
+    @property
+    def aux_layers(self) -> list[int] | None:
+        return self.manifest.get("aux_layers")
+
+    def aux(self, split: str, i: int) -> np.ndarray:
+        """(T_i, n_aux * d): the inputs of the `aux_layers` decoder layers, concatenated."""
+        shard, span = self._locate(split, i)
+        if shard[4] is None:
+            raise DataError(f"{self.path}: this cache holds no auxiliary layer states; heads=eagle3 "
+                            "needs `mtp-prep stage=cache heads=eagle3` (the layer ids are part of its key)")
+        return shard[4][span]
 
     def stats(self, split: str, i: int) -> dict[str, np.ndarray]:
         shard, span = self._locate(split, i)

@@ -22,12 +22,20 @@ from mtp_train.artifacts import check_finite
 from mtp_train.config import HeadsConfig
 from mtp_train.errors import ConfigError, MtpError
 from mtp_train.heads.chained import ChainedMTP
+from mtp_train.heads.eagle3 import Eagle3Heads, default_aux_layers
 from mtp_train.heads.medusa import MedusaHeads
 from mtp_train.layout import HEADS_FILE, HEADS_META
 
-__all__ = ["HEADS_FILE", "HEADS_META", "ChainedMTP", "MedusaHeads", "build_heads", "count_parameters",
-           "heads_state_dict", "load_heads"]
+__all__ = ["HEADS_FILE", "HEADS_META", "ChainedMTP", "Eagle3Heads", "MedusaHeads", "aux_layers_for",
+           "build_heads", "count_parameters", "heads_state_dict", "load_heads"]
 
+
+def aux_layers_for(cfg: HeadsConfig, backbone_config) -> list[int] | None:
+    """The backbone layers whose inputs the heads read besides the final state (eagle3), else None."""
+    if cfg.type != "eagle3":
+        return None
+    return list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(
+        backbone_config.num_hidden_layers)
 
 
 def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = None) -> nn.Module:
@@ -35,6 +43,14 @@ def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = Non
         copy = backbone.lm_head.weight.detach() if cfg.lm_head == "copy" else None
         return MedusaHeads(backbone.hidden_size, backbone.vocab_size, cfg.k, cfg.num_layers, copy,
                            draft_ids=draft_ids)
+    if cfg.type == "eagle3":
+        try:
+            return Eagle3Heads(backbone.config, cfg.k, aux_layers_for(cfg, backbone.config),
+                               backbone.lm_head.weight.detach(), draft_ids=draft_ids,
+                               trainable_lm_head=cfg.lm_head == "copy",
+                               norm_before_residual=cfg.norm_before_residual)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     init_from = backbone.model.base_model if cfg.init == "copy_last" else None
     return ChainedMTP(backbone.config, cfg.k, init_from=init_from, draft_ids=draft_ids, share=cfg.share)
 

@@ -82,7 +82,7 @@ class ChainedMTP(DraftVocab):
         self.lm_heads = None
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, aux=None) -> torch.Tensor:
         """hidden (B, T, d), input_ids (B, T) -> per-depth hidden states (B, T, k, d).
 
         Module j at position t reads token x_{t+j}; positions where t+j runs past the sequence read a

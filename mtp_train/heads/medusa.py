@@ -48,7 +48,7 @@ class MedusaHeads(DraftVocab):
                     head.weight.copy_(rows)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
-                embed: nn.Module | None = None, attention_mask: torch.Tensor | None = None):
+                embed: nn.Module | None = None, attention_mask: torch.Tensor | None = None, aux=None):
         """hidden (B, T, d) -> per-depth hidden states (B, T, k, d). Token inputs are unused."""
         return torch.stack([blk(hidden) for blk in self.blocks], dim=2)  # (B, T, k, d)
 

@@ -61,6 +61,7 @@ class Collator:
             hidden = torch.zeros((len(rows), T, rows[0]["hidden"].shape[-1]))  # (B, T, d)
             stats = {"lse": torch.zeros((len(rows), T)), "entropy": torch.zeros((len(rows), T)),
                      "top": torch.zeros((len(rows), T), dtype=torch.long)}  # (B, T) each
+            aux = torch.zeros((len(rows), T, rows[0]["aux"].shape[-1])) if "aux" in rows[0] else None
         for i, r in enumerate(rows):
             n = min(T, len(r["input_ids"]))
             ids[i, :n] = torch.as_tensor(r["input_ids"][:n])
@@ -68,12 +69,16 @@ class Collator:
             attn[i, :n] = 1
             if cached:
                 hidden[i, :n] = torch.from_numpy(np.asarray(r["hidden"][:n], dtype=np.float32))
+                if aux is not None:
+                    aux[i, :n] = torch.from_numpy(np.asarray(r["aux"][:n], dtype=np.float32))
                 for name, t in stats.items():
                     t[i, :n] = torch.from_numpy(np.asarray(r[name][:n]).astype(np.int64 if name == "top"
                                                                                else np.float32))
         batch = {"input_ids": ids, "labels": labels, "attention_mask": attn}
         if cached:
             batch.update(hidden=hidden, **stats)
+            if aux is not None:
+                batch["aux"] = aux  # (B, T, n_aux * d)
         return batch
 
 
@@ -85,13 +90,16 @@ class CachedRows(Dataset):
             raise DataError(f"{cache.path}: cache has {cache.manifest['rows'][split]} {split} rows, "
                             f"the data has {len(rows)}; rebuild it with `mtp-prep stage=cache`")
         self.rows, self.cache, self.split = rows, cache, split
+        self.with_aux = cache.aux_layers is not None  # built for heads that read auxiliary layers
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
-        return {**self.rows[i], "hidden": self.cache.row(self.split, i),
-                **self.cache.stats(self.split, i)}
+        row = {**self.rows[i], "hidden": self.cache.row(self.split, i), **self.cache.stats(self.split, i)}
+        if self.with_aux:
+            row["aux"] = self.cache.aux(self.split, i)
+        return row
 
 
 class ResumableSampler(Sampler):

@@ -83,20 +83,26 @@ class MTPHeadsModule(L.LightningModule):
     def model_step(self, batch: dict, split: str) -> torch.Tensor:
         ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
         heads, lm_head = self.heads, self.backbone.lm_head
+        aux_layers = getattr(heads, "aux_layers", None)  # EAGLE-3 reads these layers' inputs too
         with torch.no_grad():
-            full = None
+            full = aux = None
             if "hidden" in batch:  # from the hidden-state cache: no backbone layer and no V-sized logits
                 hidden = batch["hidden"].to(lm_head.weight.dtype)  # (B, T, d)
                 stats = {name: batch[name] for name in ("lse", "top", "entropy")}  # (B, T) each
+                if aux_layers:
+                    if "aux" not in batch:
+                        raise MtpError("the hidden-state cache holds no auxiliary layer states; build it "
+                                       "with `mtp-prep stage=cache` and the same heads= settings")
+                    aux = batch["aux"].to(lm_head.weight.dtype)  # (B, T, n_aux * d)
             else:
-                hidden = self.backbone.hidden_states(ids, attn)  # (B, T, d)
+                hidden, aux = self.backbone.hidden_and_aux(ids, attn, aux_layers)  # (B, T, d), (B, T, n * d)
                 full = self.backbone.logits(hidden)  # (B, T, V)
                 stats = backbone_stats(full)
         targets, valid = depth_targets(ids, labels, self.k, attn)  # (B, T, k) x 2
         rows = valid.any(-1)  # (B, T) positions with at least one target: only these are projected
         if not rows.any():
             return self.heads_zero()
-        head_hidden = heads(hidden, ids, self.backbone.embed_tokens, attn)  # (B, T, k, d)
+        head_hidden = heads(hidden, ids, self.backbone.embed_tokens, attn, aux=aux)  # (B, T, k, d)
         logits = heads.project(head_hidden[rows], lm_head)[None]  # (1, N, k, |D|)
         with torch.no_grad():
             weight = heads.draft_weight(lm_head)  # (|D|, d)

@@ -23,11 +23,13 @@ def cache_compute(cfg: Config, backbone) -> str:
 
 
 def cache_location(cfg: Config, backbone) -> tuple[str, Path]:
-    """(key, folder) of the hidden-state cache for this config's data, backbone and row length."""
+    """(key, folder) of the hidden-state cache for this config's data, backbone and row length (and
+    the auxiliary layers the heads read, for heads=eagle3)."""
     from mtp_train.data.cache import STATES_DTYPE, cache_key
+    from mtp_train.heads import aux_layers_for
 
     key = cache_key(layout.data_dirs(cfg), backbone.identity, layout.max_length(cfg), STATES_DTYPE,
-                    cache_compute(cfg, backbone))
+                    cache_compute(cfg, backbone), aux_layers_for(cfg.heads, backbone.config))
     return key, layout.cache_dir(cfg.data.output_dir, key)
 
 

@@ -56,7 +56,8 @@ def make_loggers(cfg) -> list:
 
 # keys added to a section after runs were trained without them: hashed only away from these defaults,
 # so a run directory from before keeps its recipe (and is not trained again)
-LATER_KEYS = {"heads": {"share": False}, "train": {"length_window": 0}}
+LATER_KEYS = {"heads": {"share": False, "aux_layers": None, "norm_before_residual": False},
+              "train": {"length_window": 0}}
 
 
 def recipe_keys(cfg: Config) -> tuple[str, str]:

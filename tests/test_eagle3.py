@@ -1,0 +1,228 @@
+"""EAGLE-3 heads: training-time test against a slow per-position reference, drafting in the decoder
+(chain and tree) against the teacher-forced forward, lossless decoding, the cache's auxiliary states."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mtp_train.config import HeadsConfig
+from mtp_train.heads import build_heads
+from mtp_train.heads.eagle3 import default_aux_layers
+from mtp_train.trees import TreeShape
+
+
+@pytest.fixture(scope="module")
+def backbone4():
+    """A 4-layer tiny backbone: EAGLE-3's default layers need a few."""
+    from mtp_train.backbone import load_backbone
+    from mtp_train.config import BackboneConfig, TinyBackboneConfig
+
+    return load_backbone(BackboneConfig(name="tiny4", source="tiny", tiny=TinyBackboneConfig(num_layers=4)))
+
+
+def jittered(heads, seed=0):
+    """Heads whose norms and lm_head are not at their initial values (a test that cannot tell a
+    norm from none, or the frozen LM head from the backbone's, would pass otherwise)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in heads.named_parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g) * (p.abs().mean() + 0.1))
+    return heads.eval()
+
+
+def reference_ttt(heads, aux, ids, embed):
+    """One row, one position and one depth at a time, attention written out per head: depth j at
+    position t reads emb(x_{t+j}) and the previous depth's output, at rotary position t + j - 1, and
+    attends to the depth-1 keys of positions <= t and its own depths 2..j at t."""
+    layer, a = heads.layer, heads.layer.self_attn
+    T = ids.shape[1]
+    emb = embed(ids)[0]
+    g = heads.fuse(aux)[0]
+    outs = torch.zeros(T, heads.k, heads.hidden_size)
+
+    def qkv_one(e, h, pos):
+        cos, sin = heads.rotary(h[None, None], torch.tensor([[pos]]))
+        q, k, v, res = layer.qkv(e[None, None], h[None, None], cos, sin)
+        return q[0, :, 0], k[0, :, 0], v[0, :, 0], res[0, 0]  # (H, hd), (Hkv, hd) x 2, (d,)
+
+    depth1 = [qkv_one(emb[t + 1] if t + 1 < T else torch.zeros_like(emb[0]), g[t], t) for t in range(T)]
+    groups = a.n_heads // a.n_kv
+    for t in range(T):
+        own_k, own_v, h = [], [], None
+        for j in range(1, heads.k + 1):
+            if j == 1:
+                q, k, v, res = depth1[t]
+            else:
+                e = emb[t + j] if t + j < T else torch.zeros_like(emb[0])
+                q, k, v, res = qkv_one(e, h, t + j - 1)
+                own_k.append(k)
+                own_v.append(v)
+            heads_out = []
+            for hh in range(a.n_heads):
+                kv = hh // groups
+                keys = [depth1[s][1][kv] for s in range(t + 1)] + [x[kv] for x in own_k]
+                vals = [depth1[s][2][kv] for s in range(t + 1)] + [x[kv] for x in own_v]
+                scores = torch.stack([q[hh] @ key for key in keys]) / math.sqrt(a.head_dim)
+                w = torch.softmax(scores, 0)
+                heads_out.append(sum(wi * vi for wi, vi in zip(w, vals, strict=True)))
+            attn = torch.stack(heads_out)[None, :, None]  # (1, H, 1, hd)
+            h = layer.finish(attn, res[None, None])[0, 0]
+            outs[t, j - 1] = h
+    return outs
+
+
+def test_default_aux_layers_follow_eagle3_and_fit_small_backbones():
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
+    assert default_aux_layers(32) == [2, 16, 29]  # Llama-3.1-8B
+    assert default_aux_layers(2) == [0, 1]
+    assert default_aux_layers(4) == [0, 2, 3]
+
+
+def test_training_time_test_equals_the_per_position_reference(backbone4):
+    torch.manual_seed(0)
+    heads = jittered(build_heads(HeadsConfig(type="eagle3", k=3), backbone4))
+    ids = torch.randint(0, 250, (1, 9))
+    with torch.no_grad():
+        hidden, aux = backbone4.hidden_and_aux(ids, None, heads.aux_layers)
+        fast = heads(hidden, ids, backbone4.embed_tokens, aux=aux)[0]  # (T, k, d)
+        slow = reference_ttt(heads, aux, ids, backbone4.embed_tokens)
+    assert heads.aux_layers == [0, 2, 3]
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+
+
+def test_padding_on_the_right_changes_no_real_position(backbone4):
+    torch.manual_seed(1)
+    heads = jittered(build_heads(HeadsConfig(type="eagle3", k=2), backbone4), seed=1)
+    ids = torch.randint(0, 250, (2, 10))
+    attn = torch.ones(2, 10, dtype=torch.long)
+    attn[1, 6:] = 0
+    with torch.no_grad():
+        hidden, aux = backbone4.hidden_and_aux(ids, attn, heads.aux_layers)
+        both = heads(hidden, ids, backbone4.embed_tokens, attn, aux=aux)
+        alone = heads(hidden[1:, :6], ids[1:, :6], backbone4.embed_tokens, aux=aux[1:, :6])
+    # depth j at t < 6 - j reads only tokens inside the row
+    for j in range(2):
+        torch.testing.assert_close(both[1, : 6 - 1 - j, j], alone[0, : 6 - 1 - j, j], rtol=1e-4, atol=1e-5)
+
+
+def _teacher_forced_logprobs(heads, backbone, ids, p, path_tokens):
+    """Log-probs (|D|,) of the depth len(path)+1 draft at position p, with the path's drafts in place
+    of the tokens after x_{p+1}."""
+    ids = ids.clone()
+    ids[0, p + 2: p + 2 + len(path_tokens)] = torch.tensor(path_tokens)
+    with torch.no_grad():
+        hidden, aux = backbone.hidden_and_aux(ids[:, : p + 1], None, heads.aux_layers)
+        out = heads(hidden, ids[:, : p + 1 + heads.k], backbone.embed_tokens,
+                    aux=torch.cat([aux, aux.new_zeros(1, heads.k, aux.shape[-1])], 1))
+        return torch.log_softmax(heads.project(out[0, p, len(path_tokens)]).float(), -1)
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape.of([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0),
+                                                                        (0, 1, 0)])])
+def test_drafting_equals_the_teacher_forced_heads_on_every_path(backbone4, shape):
+    """Each drafted node's cumulative log-probability is the teacher-forced one of its path: the
+    decoder's KV cache, scratch rows, positions and tree mask reproduce training-time test."""
+    from mtp_train.decoding import Decoder, draft_tree
+
+    torch.manual_seed(2)
+    heads = jittered(build_heads(HeadsConfig(type="eagle3", k=3, draft_vocab=60), backbone4,
+                                 draft_ids=torch.arange(0, 240, 4)), seed=2)
+    ids = torch.randint(0, 250, (1, 24))
+    dec = Decoder(backbone4, heads, eos_ids=[10**6])
+    p = 14
+    with torch.inference_mode():
+        hidden, aux = backbone4.hidden_and_aux(ids[:, : p + 1], None, heads.aux_layers)
+        dec.drafter.reset()  # fill the cache with a first step at p - 3, then draft at p (incremental)
+        draft_tree(dec.drafter, ids[0, : p - 1], hidden[0, : p - 2], TreeShape.chain(3), 3, aux[0, : p - 2])
+        tree = draft_tree(dec.drafter, ids[0, : p + 2], hidden[0], shape, 3, aux[0])
+    assert tree.n == shape.n
+    for v in range(tree.n):
+        path = tree.path_to(v)
+        total = 0.0
+        for i, u in enumerate(path):
+            lp = _teacher_forced_logprobs(heads, backbone4, ids, p, [tree.tokens[a] for a in path[:i]])
+            total += float(lp[heads.to_draft(torch.tensor(tree.tokens[u]))])
+        assert tree.scores[v] == pytest.approx(total, abs=2e-4)
+
+
+@pytest.mark.parametrize("tree", [None, "static", "dynamic"])
+def test_decoding_with_eagle3_heads_is_lossless(backbone4, tree):
+    from mtp_train.decoding import Decoder, DynamicTree
+
+    torch.manual_seed(3)
+    heads = jittered(build_heads(HeadsConfig(type="eagle3", k=3), backbone4), seed=3)
+    shape = {None: None, "static": TreeShape.of([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]),
+             "dynamic": DynamicTree(nodes=8, topk=3, width=2)}[tree]
+    dec = Decoder(backbone4, heads, eos_ids=[10**6])
+    prompt = torch.randint(0, 250, (12,)).tolist()
+    greedy = dec.generate(prompt, 24, "greedy")
+    got = dec.generate(prompt, 24, "verify", tree=shape)
+    assert got.tokens == greedy.tokens
+    assert got.steps < 24 or shape is None  # trees over 3 candidates hit some on a random model
+
+
+def test_the_cache_stores_the_auxiliary_layers_and_training_from_it_matches_live(typed_cfg):
+    from data_prep.stages import run_prep
+    from mtp_train.backbone import load_backbone
+    from mtp_train.data.cache import HiddenCache
+    from mtp_train.layout import data_dirs
+    from mtp_train.lit.data import MTPDataModule, load_splits
+    from mtp_train.lit.module import MTPHeadsModule
+    from mtp_train.pipeline.prepared import cache_location
+    from tests.test_cache import FAST
+
+    cfg = typed_cfg(*FAST, "heads=eagle3", "heads.k=2")
+    for stage in ("data", "distill", "cache"):
+        run_prep(dataclasses.replace(cfg, stage=stage))
+    backbone = load_backbone(cfg.backbone)
+    key, path = cache_location(cfg, backbone)
+    plain_key, _ = cache_location(typed_cfg(*FAST), backbone)
+    assert key != plain_key  # the layer ids are part of the key
+    cache = HiddenCache(path)
+    assert cache.aux_layers == [0, 1]
+    splits = load_splits(data_dirs(cfg))
+    ids = torch.tensor([splits["train"][3]["input_ids"][:96]])
+    with torch.no_grad():
+        _, live = backbone.hidden_and_aux(ids, None, [0, 1])
+    np.testing.assert_allclose(cache.aux("train", 3).astype(np.float32), live[0].numpy(), rtol=2e-3, atol=2e-3)
+
+    heads = build_heads(cfg.heads, backbone)
+    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+    out = {}
+    for name, c in (("live", None), ("cache", cache)):
+        dm = MTPDataModule(data_dirs(cfg), backbone.tokenizer.pad_token_id, 4, 96, cache=c)
+        dm.setup()
+        batch = next(iter(dm.val_dataloader()))
+        assert ("aux" in batch) == (c is not None)
+        with torch.no_grad():
+            out[name] = module.model_step(batch, "val").item()
+    assert out["cache"] == pytest.approx(out["live"], rel=1e-2, abs=1e-4)
+
+
+def test_eagle3_trains_saves_only_what_trains_and_reloads(typed_cfg, tmp_path):
+    from safetensors.torch import load_file
+
+    from mtp_train.heads import load_heads
+    from tests.helpers import run_train
+    from tests.test_cache import FAST
+
+    cfg = typed_cfg(*FAST, "heads=eagle3", "heads.k=2", "heads.draft_vocab=64", f"hydra.run.dir={tmp_path}/run",
+                    f"paths.output_dir={tmp_path}/run")
+    metrics = run_train(cfg)
+    assert 1.0 <= metrics["val/sim_tau"] <= 3.0
+    state = load_file(str(tmp_path / "run" / "heads.safetensors"))
+    assert "lm_head.weight" not in state  # the frozen LM head is the backbone's rows: rebuilt on load
+    assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.self_attn.q_proj.weight", "norm.weight",
+            "draft_ids"} <= set(state)
+    from mtp_train.backbone import load_backbone
+
+    backbone = load_backbone(cfg.backbone)
+    heads, meta = load_heads(tmp_path / "run", backbone)
+    assert heads.aux_layers == [0, 1] and heads.draft_size == len(state["draft_ids"])
+    torch.testing.assert_close(heads.lm_head.weight, backbone.lm_head.weight[state["draft_ids"]])
+    torch.testing.assert_close(heads.fc.weight, state["fc.weight"])
