@@ -1,0 +1,232 @@
+"""Trained heads in the serving engines' own formats (`mtp-export-heads --format eagle3|medusa`),
+with the backbone they were trained against. docs/serving.md says how each engine loads them.
+
+- eagle3: the `speculators` "eagle3" layout that vLLM and SGLang load for Llama targets: config.json
+  (speculators_model_type "eagle3", a one-layer Llama `transformer_layer_config`, the draft
+  vocabulary's size, `norm_before_residual` written out, the auxiliary layer ids, and the algorithm,
+  proposal method and verifier) and model.safetensors (fc, layers.0.*, norm, lm_head, and the d2t /
+  t2d vocabulary maps when the draft vocabulary is smaller than the backbone's), plus the backbone's
+  token embedding, which speculators saves with a drafter and its loader needs (engines that share
+  the target's embedding ignore it).
+- medusa: vLLM's Medusa layout: a minimal config.json (vLLM rewrites keys that name heads or layers)
+  and blocks.{i}.layers.{l}.{weight,bias}, lm_heads.{i}.weight (only lm_heads.0 with
+  original_lm_head, the backbone's own head) and token_map for a draft vocabulary.
+
+A family a format cannot express is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from mtp_train import layout
+from mtp_train.choices import EXPORT_FORMATS
+from mtp_train.errors import MtpError
+
+log = logging.getLogger(__name__)
+
+SERVING_FILE = "mtp_serving.json"  # what the export holds, which backbone to serve it with, and how
+WEIGHTS_FILE = "model.safetensors"
+
+# why a family cannot be written in a format (the one-line refusal)
+UNSUPPORTED = {
+    ("chained", "eagle3"): "chained MTP modules read [emb; h] through separate per-depth modules and the "
+                           "final state only; EAGLE-3 is one layer over three fused backbone layers "
+                           "(train heads=eagle3)",
+    ("medusa", "eagle3"): "Medusa heads are residual blocks on the final state; EAGLE-3 is an attention "
+                          "layer over three fused backbone layers (train heads=eagle3)",
+    ("chained", "medusa"): "chained MTP modules attend over earlier positions and read drafted tokens; "
+                           "a Medusa head is a position-wise residual block (train heads=medusa)",
+    ("eagle3", "medusa"): "EAGLE-3 heads attend over earlier positions and read drafted tokens; a Medusa "
+                          "head is a position-wise residual block (train heads=medusa)",
+}
+
+
+def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
+    """Write the run's trained heads in `fmt` to `out` (default <run>/export-<fmt>), atomically; a
+    backbone built in code (the tiny test model) is saved beside them in <out>/backbone."""
+    from mtp_train.artifacts import publish_dir, temp_dir_for
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads import load_heads
+    from mtp_train.pipeline.export import load_recipe
+
+    if fmt not in EXPORT_FORMATS or fmt == "native":
+        raise MtpError(f"--format: {fmt!r} is not an engine format (choose from eagle3, medusa)")
+    run_dir = Path(run_dir)
+    meta_file = run_dir / layout.HEADS_META
+    if not (run_dir / layout.HEADS_FILE).is_file() or not meta_file.is_file():
+        raise MtpError(f"{run_dir}: no trained heads here ({layout.HEADS_FILE} and {layout.HEADS_META}); "
+                       f"train them with mtp-train, or write them from a checkpoint with "
+                       f"`mtp-export-heads {run_dir} --format native`")
+    cfg = load_recipe(run_dir)
+    family = cfg.heads.type
+    if (family, fmt) in UNSUPPORTED:
+        raise MtpError(f"{run_dir}: {family} heads cannot be exported as {fmt}: {UNSUPPORTED[(family, fmt)]}")
+    backbone = load_backbone(cfg.backbone)
+    heads, meta = load_heads(run_dir, backbone)  # refuses non-finite weights and another backbone
+    if meta.get("head_type", family) != family:
+        raise MtpError(f"{meta_file}: holds {meta.get('head_type')} heads, but the run's recipe says "
+                       f"heads={family}; export them from the run that trained them")
+    trained = (meta.get("recipe") or {}).get("steps", 0) >= 1 or "exported_from" in (meta.get("metrics") or {})
+    if not trained:
+        raise MtpError(f"{meta_file}: records no training step; these heads are untrained (run mtp-train)")
+    out = Path(out) if out is not None else run_dir / f"export-{fmt}"
+    tmp = temp_dir_for(out)
+    tmp.mkdir(parents=True)
+    serve_dir = backbone_for_serving(cfg)
+    check_dir = serve_dir
+    if serve_dir is None:  # built in code: saved with the export
+        check_dir = tmp / "backbone"
+        backbone.model.save_pretrained(check_dir, safe_serialization=True)
+        backbone.tokenizer.save_pretrained(check_dir)
+        serve_dir = out.resolve() / "backbone"
+    if fmt == "eagle3":
+        config, state = eagle3_files(heads, backbone, serve_dir)
+    else:
+        config, state = medusa_files(heads, backbone)
+    write_export(tmp, config, state)
+    notes = backbone_notes(check_dir, backbone)
+    (tmp / SERVING_FILE).write_text(json.dumps({
+        "format": fmt, "heads": str(run_dir.resolve()), "k": heads.k, "draft_size": heads.draft_size,
+        "backbone": str(serve_dir), "backbone_fingerprint": backbone.fingerprint(),
+        "serve": serve_commands(fmt, serve_dir, out.resolve(), heads.k), "backbone_notes": notes,
+    }, indent=2) + "\n")
+    publish_dir(tmp, out)
+    for note in notes:
+        log.warning("%s", note)
+    log.info("%s heads written to %s; serve them with the backbone at %s", fmt, out, serve_dir)
+    return out
+
+
+def write_export(tmp: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    from mtp_train.artifacts import check_finite
+
+    check_finite(state, str(tmp / WEIGHTS_FILE))
+    save_file({n: t.detach().contiguous().cpu() for n, t in state.items()}, str(tmp / WEIGHTS_FILE))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# --- EAGLE-3 ------------------------------------------------------------------------------------
+
+def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
+    """(config.json, weights) in the speculators eagle3 layout."""
+    layer_cfg = heads.layer_config.to_diff_dict()
+    layer_cfg.pop("transformers_version", None)
+    theta = rope_theta(heads.layer_config)
+    layer_cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1,
+                     hidden_size=heads.hidden_size, vocab_size=heads.vocab_size, rope_theta=theta)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": heads.draft_size,
+        "norm_before_residual": bool(heads.norm_before_residual),  # written out: the engines' defaults differ
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(heads.aux_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": heads.k,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": str(serve_dir),
+                         "architectures": list(getattr(backbone.config, "architectures", None)
+                                               or [type(backbone.model).__name__])},
+        },
+    }
+    state = {n: t for n, t in heads.state_dict().items() if n != "draft_ids"}
+    # the backbone's embedding, as speculators saves it: without it its loader keeps a random init
+    state["embed_tokens.weight"] = backbone.embed_tokens.weight.detach()
+    if heads.draft_size < heads.vocab_size:
+        state["d2t"], state["t2d"] = heads.d2t(), heads.t2d()
+    return config, {n: t.float() if t.is_floating_point() else t for n, t in state.items()}
+
+
+# --- Medusa -------------------------------------------------------------------------------------
+
+def medusa_files(heads, backbone) -> tuple[dict, dict]:
+    """(config.json, weights) in vLLM's Medusa layout."""
+    shared = heads.lm_heads is None
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": heads.hidden_size,
+              "vocab_size": heads.vocab_size, "num_heads": heads.k,
+              "num_hidden_layers": len(heads.blocks[0]), "truncated_vocab_size": heads.draft_size,
+              "medusa_fc_bias": True, "original_lm_head": shared}
+    state = {}
+    for i, block in enumerate(heads.blocks):
+        for j, res in enumerate(block):
+            state[f"blocks.{i}.layers.{j}.weight"] = res.linear.weight.float()
+            state[f"blocks.{i}.layers.{j}.bias"] = res.linear.bias.float()
+    if shared:  # the backbone's head (its draft-vocabulary rows), which the file must carry
+        state["lm_heads.0.weight"] = heads.draft_weight(backbone.lm_head).float()
+    else:
+        for i, head in enumerate(heads.lm_heads):
+            state[f"lm_heads.{i}.weight"] = head.weight.float()
+    if heads.draft_size < heads.vocab_size:
+        state["token_map"] = heads.draft_ids.long()
+    return config, state
+
+
+# --- the backbone to serve with -------------------------------------------------------------------
+
+def backbone_for_serving(cfg) -> Path | None:
+    """Where the weights the heads were trained against are: the converted GGUF (SmolLM2's is
+    dequantised from Q4_1, not the hub's weights), the given HF directory or hub id; None for a
+    backbone built in code (the export then saves a copy beside the heads)."""
+    src = cfg.backbone.source
+    if src == "gguf":
+        return Path(cfg.backbone.converted_dir).resolve()
+    if src == "hf":
+        local = Path(cfg.backbone.path).expanduser()
+        return local.resolve() if local.is_dir() else Path(cfg.backbone.path)  # a hub id: fetched by name
+    return None
+
+
+def rope_theta(config) -> float | None:
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(config, "rope_theta", None))
+
+
+def backbone_notes(serve_dir: Path, backbone) -> list[str]:
+    """What an engine reading `serve_dir`'s config.json would get wrong about this backbone: refused
+    when it would serve another model, noted when only older engines would misread it."""
+    cfg_file = Path(serve_dir) / "config.json"
+    if not cfg_file.is_file():
+        return [f"{serve_dir}: not a local directory; the engine loads it by name (check it is the same "
+                "weights the heads were trained on)"]
+    disk = json.loads(cfg_file.read_text())
+    have = backbone.config
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "model_type"):
+        if disk.get(key) != getattr(have, key, None):
+            raise MtpError(f"{cfg_file}: {key}={disk.get(key)!r}, but the heads were trained on a backbone "
+                           f"with {key}={getattr(have, key, None)!r}")
+    theta = rope_theta(have)
+    on_disk = (disk.get("rope_parameters") or {}).get("rope_theta", disk.get("rope_theta"))
+    if theta is not None and on_disk is None:
+        raise MtpError(f"{cfg_file}: carries no RoPE theta (the backbone uses {theta}); an engine would "
+                       "assume 10000 and serve another model")
+    if on_disk is not None and theta is not None and abs(float(on_disk) - float(theta)) > 1e-6 * float(theta):
+        raise MtpError(f"{cfg_file}: RoPE theta {on_disk}, but the backbone the heads were trained on uses {theta}")
+    notes = []
+    if "rope_theta" not in disk:
+        notes.append(f"{cfg_file}: RoPE theta {on_disk} is given only as rope_parameters.rope_theta "
+                     "(transformers 5); engines that read only a top-level rope_theta would assume 10000")
+    return notes
+
+
+def serve_commands(fmt: str, backbone: Path, heads: Path, k: int) -> dict:
+    """The engines' command lines for this export (not run here: no GPU, no engine)."""
+    method = {"eagle3": "eagle3", "medusa": "medusa"}[fmt]
+    spec = json.dumps({"method": method, "model": str(heads), "num_speculative_tokens": k})
+    out = {"vllm": f"vllm serve {backbone} --speculative-config '{spec}'"}
+    if fmt == "eagle3":
+        out["sglang"] = (f"python -m sglang.launch_server --model-path {backbone} --speculative-algorithm "
+                         f"EAGLE3 --speculative-draft-model-path {heads} --speculative-num-steps {k} "
+                         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+    return out
