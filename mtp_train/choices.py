@@ -8,7 +8,9 @@ DATA_SOURCES = ("sharegpt", "jsonl", "disk", "tiny")
 DTYPES = ("float32", "bfloat16", "float16")
 HEAD_TYPES = ("medusa", "chained", "eagle3")
 HEAD_LM = ("shared", "copy")  # medusa, eagle3: the backbone's LM head (frozen), or a trainable copy
-HEAD_INITS = ("copy_last", "random")  # chained: a block starts as the backbone's last layer, or random
+# chained: a block starts as the backbone's last layer, or random; eagle3: fc random, or the
+# least-squares map from the auxiliary states to the backbone's final state (final_state)
+HEAD_INITS = ("copy_last", "random", "final_state")
 LOSS_NAMES = ("ce", "kl", "tv", "e2e_tv")
 SEGMENT_RULES = ("diff", "zscore")  # AdaMTP's entropy-surge rule
 LR_SCHEDULES = ("cosine", "constant", "wsd")

@@ -158,6 +158,10 @@ class HeadsConfig:
             _check(len(self.aux_layers) >= 1 and len(set(self.aux_layers)) == len(self.aux_layers)
                    and min(self.aux_layers) >= 0, "heads.aux_layers",
                    f"must be distinct layer ids >= 0, got {self.aux_layers}")
+        _check(self.init != "copy_last" or self.type == "chained", "heads.init",
+               "copy_last copies the backbone's last layer into chained modules; set heads=chained")
+        _check(self.init != "final_state" or self.type == "eagle3", "heads.init",
+               "final_state fits EAGLE-3's fc to the backbone's final state; set heads=eagle3")
         _check(not (self.share and self.type != "chained"), "heads.share",
                "shares one chained module across depths; Medusa heads read the same input at every depth")
 

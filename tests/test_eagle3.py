@@ -226,3 +226,29 @@ def test_eagle3_trains_saves_only_what_trains_and_reloads(typed_cfg, tmp_path):
     assert heads.aux_layers == [0, 1] and heads.draft_size == len(state["draft_ids"])
     torch.testing.assert_close(heads.lm_head.weight, backbone.lm_head.weight[state["draft_ids"]])
     torch.testing.assert_close(heads.fc.weight, state["fc.weight"])
+
+
+def test_final_state_init_is_the_least_squares_map_to_the_final_state(backbone4):
+    torch.manual_seed(4)
+    heads = build_heads(HeadsConfig(type="eagle3", k=2, init="final_state"), backbone4)
+    W = torch.randn(64, 3 * 64)
+    aux = torch.randn(500, 3 * 64)
+    final = aux @ W.T
+    explained = heads.fit_to_final_state(aux, final, ridge=1e-9)
+    assert explained == pytest.approx(1.0, abs=1e-6)
+    torch.testing.assert_close(heads.fc.weight, W, rtol=1e-3, atol=1e-3)
+    assert float(heads.norm.weight[0]) == pytest.approx(float(final.pow(2).mean(-1).sqrt().mean()), rel=1e-5)
+
+
+def test_final_state_init_trains_and_is_refused_for_other_families(typed_cfg, caplog):
+    import logging
+
+    from mtp_train.errors import ConfigError
+    from tests.helpers import run_train
+    from tests.test_cache import FAST
+
+    with pytest.raises(ConfigError, match=r"heads.init: final_state fits EAGLE-3's fc"):
+        typed_cfg(*FAST, "heads=chained", "heads.init=final_state")
+    with caplog.at_level(logging.INFO):
+        metrics = run_train(typed_cfg(*FAST, "heads=eagle3", "heads.k=2", "heads.init=final_state"))
+    assert "fc fitted on" in caplog.text and 1.0 <= metrics["val/sim_tau"] <= 3.0

@@ -205,6 +205,22 @@ class Eagle3Heads(DraftVocab):
             outs.append(h)
         return torch.stack(outs, dim=2)  # (B, T, k, d)
 
+    @torch.no_grad()
+    def fit_to_final_state(self, aux: torch.Tensor, final: torch.Tensor, ridge: float = 1e-3) -> float:
+        """`heads.init=final_state`: fc becomes the ridge least-squares map from the auxiliary states
+        aux (n, n_aux * d) to the backbone's final states (n, d) at the same positions, and the final
+        norm's gain their mean RMS, so the untrained head starts near the backbone's own next-token
+        head (as Medusa's zero blocks and the chained modules' [0 | I] do), not from noise. Returns
+        the fraction of the final states' variance the map explains."""
+        A, H = aux.double(), final.double()
+        gram = A.T @ A
+        gram += ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+        W = torch.linalg.solve(gram, A.T @ H).T  # (d, n_aux * d)
+        self.fc.weight.copy_(W.to(self.fc.weight.dtype))
+        self.norm.weight.fill_(float(H.pow(2).mean(-1).sqrt().mean()))
+        resid = H - A @ W.T
+        return float(1 - resid.pow(2).sum() / (H - H.mean(0)).pow(2).sum())
+
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """(..., d) outputs before the final norm -> logits (..., |D|) from this head's own LM head."""
         return self.lm_head(self.norm(head_hidden))

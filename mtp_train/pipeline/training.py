@@ -183,6 +183,33 @@ def close_loggers(loggers: list) -> None:
             lg.experiment.finish()
 
 
+def fit_fc_to_final_state(heads, dm, backbone, max_tokens: int = 32768) -> None:
+    """EAGLE-3's `heads.init=final_state`: fit fc on the first training rows' real tokens (the
+    cache's states, or the backbone run live), at most `max_tokens` of them."""
+    import torch
+
+    dm.setup()
+    rows, aux, final, n = dm.splits["train"], [], [], 0
+    for i in range(len(rows)):
+        batch = dm.collate([rows[i]])
+        keep = batch["attention_mask"][0].bool()
+        if "aux" in batch:
+            h, a = batch["hidden"][0], batch["aux"][0]
+        else:
+            with torch.no_grad():
+                h, a = backbone.hidden_and_aux(batch["input_ids"].to(backbone.device),
+                                               batch["attention_mask"].to(backbone.device), heads.aux_layers)
+            h, a = h[0].cpu(), a[0].cpu()
+        aux.append(a[keep].float())
+        final.append(h[keep].float())
+        n += int(keep.sum())
+        if n >= max_tokens:
+            break
+    explained = heads.fit_to_final_state(torch.cat(aux), torch.cat(final))
+    log.info("heads.init=final_state: fc fitted on %d tokens; it explains %.1f%% of the final state's "
+             "variance", n, 100 * explained)
+
+
 def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world_size: int = 1,
                elapsed_s: float | None = None, recipe: dict | None = None) -> Path:
     from safetensors.torch import save_file
@@ -317,6 +344,8 @@ def _run_train(cfg: Config) -> dict:
                        max_length, cfg.train.num_workers, cfg.seed, cache=cache,
                        data_fraction=cfg.train.data_fraction, k=cfg.heads.k,
                        length_window=cfg.train.length_window)
+    if cfg.heads.init == "final_state" and done is None and not layout.last_checkpoint(run_dir).exists():
+        fit_fc_to_final_state(heads, dm, backbone)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
     ckpt_dir = run_dir / layout.CHECKPOINTS
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
