@@ -252,3 +252,33 @@ def test_final_state_init_trains_and_is_refused_for_other_families(typed_cfg, ca
     with caplog.at_level(logging.INFO):
         metrics = run_train(typed_cfg(*FAST, "heads=eagle3", "heads.k=2", "heads.init=final_state"))
     assert "fc fitted on" in caplog.text and 1.0 <= metrics["val/sim_tau"] <= 3.0
+
+
+def test_mtp_eval_decodes_with_eagle3_heads_losslessly_in_every_verifying_mode(typed_cfg, tmp_path):
+    from mtp_train.pipeline.evaluation import run_eval
+    from tests.helpers import run_train
+    from tests.test_cache import FAST
+
+    run_train(typed_cfg(*FAST, "heads=eagle3", "heads.k=2", f"paths.output_dir={tmp_path}/train"))
+    report = run_eval(typed_cfg(*FAST, f"paths.output_dir={tmp_path}/eval", f"eval.heads={tmp_path}/train",
+                                "eval.n_prompts=2", "eval.max_new_tokens=10", "eval.rounds=1",
+                                "eval.modes=[greedy,verify,tree,dynamic,adaptive]"))
+    for mode in ("verify", "tree", "dynamic", "adaptive"):
+        assert report["modes"][mode]["identical_to_greedy"] is True, mode
+        assert report["modes"][mode]["tau"] >= 1.0
+
+
+def test_clp_labels_eagle3_heads_from_their_own_cache(typed_cfg, tmp_path):
+    """mtp-clp composes heads=chained by default: the cache it reads is the one for the loaded heads'
+    auxiliary layers, not the config's."""
+    from data_prep.stages import run_prep
+    from mtp_train.pipeline.clp_run import run_clp
+    from tests.helpers import run_train
+    from tests.test_cache import FAST
+
+    cfg = typed_cfg(*FAST, "heads=eagle3", "heads.k=2", f"paths.output_dir={tmp_path}/train")
+    run_train(cfg)
+    run_prep(dataclasses.replace(cfg, stage="cache"))
+    m = run_clp(typed_cfg(*FAST, "clp.label_source=cache", f"clp.heads={tmp_path}/train", "stage=label",
+                          f"paths.output_dir={tmp_path}/clp"))["label"]
+    assert m["source"] == "cache" and m["rows"] > 0 and m["k"] == 2

@@ -27,9 +27,10 @@ def _setup(cfg: Config):
     return backbone, heads, Decoder(backbone, heads, eos_ids=eos_ids(backbone.model, backbone.tokenizer))
 
 
-def distilled_cache(cfg: Config, backbone, split: str = "train"):
+def distilled_cache(cfg: Config, backbone, split: str = "train", aux_layers: list[int] | None = None):
     """(rows of `split`, hidden-state cache, index of the first self-distilled row in them) when the
-    training cache holds the backbone's own answers, else None."""
+    training cache holds the backbone's own answers, else None. `aux_layers`: those the heads read
+    (EAGLE-3), whose cache is another one."""
     from datasets import load_from_disk
 
     from mtp_train.layout import data_dirs, distilled_dir
@@ -39,7 +40,7 @@ def distilled_cache(cfg: Config, backbone, split: str = "train"):
     dirs = data_dirs(cfg)
     if distilled_dir(cfg) not in dirs:
         return None
-    cache = open_cache(cfg, backbone)
+    cache = open_cache(cfg, backbone, aux_layers)
     if cache is None:
         return None
     first = sum(len(load_from_disk(str(d))[split]) for d in dirs[: dirs.index(distilled_dir(cfg))])
@@ -54,7 +55,8 @@ def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
 
     source = cfg.clp.label_source
     split = cfg.clp.label_split
-    found = distilled_cache(cfg, backbone, split) if source in ("auto", "cache") else None
+    found = (distilled_cache(cfg, backbone, split, getattr(heads, "aux_layers", None))
+             if source in ("auto", "cache") else None)
     if source == "cache" and found is None:
         raise ConfigError("clp.label_source: 'cache' needs the hidden-state cache of self-distilled "
                           "data (train.data_use=distilled or mix, then `mtp-prep stage=cache`); or "
@@ -83,7 +85,8 @@ def held_out_by_fit(prompt, val_fraction: float):
     return (prompt % max(2, round(1 / val_fraction))) == 0
 
 
-def calibration_prompts(cfg: Config, backbone, labels_manifest: dict) -> list[list[int]]:
+def calibration_prompts(cfg: Config, backbone, labels_manifest: dict,
+                        aux_layers: list[int] | None = None) -> list[list[int]]:
     """The prompts the threshold is calibrated on, none of whose answers the predictor was fitted on.
 
     Labels made from the cache's self-distilled validation rows: the prompts of the rows the fit held
@@ -94,7 +97,7 @@ def calibration_prompts(cfg: Config, backbone, labels_manifest: dict) -> list[li
 
     n = cfg.clp.calib_prompts
     if labels_manifest.get("source") == "cache" and labels_manifest.get("split") == "validation":
-        found = distilled_cache(cfg, backbone, "validation")
+        found = distilled_cache(cfg, backbone, "validation", aux_layers)
         if found is not None:
             rows, _, first = found
             held = (rows[first + p] for p in range(len(rows) - first) if held_out_by_fit(p, cfg.clp.val_fraction))
@@ -201,7 +204,8 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.layout import CLP_META
 
     e = cfg.eval
-    prompts = calibration_prompts(cfg, backbone, read_manifest(out / layout.LABELS) or {})
+    prompts = calibration_prompts(cfg, backbone, read_manifest(out / layout.LABELS) or {},
+                                  getattr(heads, "aux_layers", None))
     if not prompts:
         raise MtpError(f"{out / layout.LABELS}: no prompt to calibrate on (none of the labelled rows was held "
                        "out of the fit); raise clp.val_fraction or distil more validation prompts")

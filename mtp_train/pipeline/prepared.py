@@ -22,24 +22,26 @@ def cache_compute(cfg: Config, backbone) -> str:
     return resolve_autocast(backbone.device, cfg.data.distill.autocast)
 
 
-def cache_location(cfg: Config, backbone) -> tuple[str, Path]:
-    """(key, folder) of the hidden-state cache for this config's data, backbone and row length (and
-    the auxiliary layers the heads read, for heads=eagle3)."""
+def cache_location(cfg: Config, backbone, aux_layers: list[int] | None = None) -> tuple[str, Path]:
+    """(key, folder) of the hidden-state cache for this config's data, backbone and row length, and
+    the auxiliary layers the heads read (`aux_layers`, else those of cfg.heads: heads=eagle3's)."""
     from mtp_train.data.cache import STATES_DTYPE, cache_key
     from mtp_train.heads import aux_layers_for
 
+    aux = aux_layers if aux_layers is not None else aux_layers_for(cfg.heads, backbone.config)
     key = cache_key(layout.data_dirs(cfg), backbone.identity, layout.max_length(cfg), STATES_DTYPE,
-                    cache_compute(cfg, backbone), aux_layers_for(cfg.heads, backbone.config))
+                    cache_compute(cfg, backbone), aux)
     return key, layout.cache_dir(cfg.data.output_dir, key)
 
 
-def open_cache(cfg: Config, backbone):
-    """The hidden-state cache for exactly these data, backbone and length, if one was built."""
+def open_cache(cfg: Config, backbone, aux_layers: list[int] | None = None):
+    """The hidden-state cache for exactly these data, backbone and length (and auxiliary layers), if
+    one was built."""
     from mtp_train.data.cache import HiddenCache
 
     if not cfg.train.use_cache:
         return None
-    key, path = cache_location(cfg, backbone)
+    key, path = cache_location(cfg, backbone, aux_layers)
     m = read_manifest(path)
     if m is None or m.get("config_hash") != key:
         log.info("no hidden-state cache for these inputs (mtp-prep stage=cache builds one); "
