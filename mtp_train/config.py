@@ -154,7 +154,7 @@ class HeadsConfig:
         _check(self.aux_layers is None or self.type == "eagle3", "heads.aux_layers",
                "names the backbone layers EAGLE-3 heads read; set heads=eagle3 or leave it null")
         if self.aux_layers is not None:
-            self.aux_layers = [int(i) for i in self.aux_layers]
+            self.aux_layers = sorted(int(i) for i in self.aux_layers)  # the order engines collect them in
             _check(len(self.aux_layers) >= 1 and len(set(self.aux_layers)) == len(self.aux_layers)
                    and min(self.aux_layers) >= 0, "heads.aux_layers",
                    f"must be distinct layer ids >= 0, got {self.aux_layers}")

@@ -300,7 +300,7 @@ class Eagle3Drafter:
         self.heads, self.k, self.embed, self.mm = heads, heads.k, embed, mm
         self.layer = heads.layer
         self.dtype = next(heads.parameters()).dtype
-        self.weight = heads.lm_head.weight.detach().to(self.dtype).contiguous()  # (|D|, d)
+        self.weight = heads.head_weight().detach().to(self.dtype).contiguous()  # (|D|, d)
         self.to_tokens = heads.to_tokens
         self.reset()
 
@@ -619,6 +619,12 @@ class Decoder:
             return
         same = next(self.heads.parameters()).dtype == dtype
         self.draft_heads = self.heads if same else copy.deepcopy(self.heads).to(dtype)
+        if not same:  # rotary frequencies stay float32 (a bf16 copy drifts with the position)
+            originals = dict(self.heads.named_buffers())
+            for name, buf in list(self.draft_heads.named_buffers()):
+                if name.endswith("inv_freq") and buf.dtype != originals[name].dtype:
+                    owner = self.draft_heads.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.draft_heads
+                    setattr(owner, name.rsplit(".", 1)[-1], originals[name].clone())
         self.drafter = make_drafter(self.draft_heads, self.backbone, self.mm)
 
     @property

@@ -79,8 +79,8 @@ def reference_ttt(heads, aux, ids, embed):
 def test_default_aux_layers_follow_eagle3_and_fit_small_backbones():
     assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
     assert default_aux_layers(32) == [2, 16, 29]  # Llama-3.1-8B
-    assert default_aux_layers(2) == [0, 1]
-    assert default_aux_layers(4) == [0, 2, 3]
+    assert default_aux_layers(2) == [1]
+    assert default_aux_layers(4) == [1, 2, 3]
 
 
 def test_training_time_test_equals_the_per_position_reference(backbone4):
@@ -91,7 +91,7 @@ def test_training_time_test_equals_the_per_position_reference(backbone4):
         hidden, aux = backbone4.hidden_and_aux(ids, None, heads.aux_layers)
         fast = heads(hidden, ids, backbone4.embed_tokens, aux=aux)[0]  # (T, k, d)
         slow = reference_ttt(heads, aux, ids, backbone4.embed_tokens)
-    assert heads.aux_layers == [0, 2, 3]
+    assert heads.aux_layers == [1, 2, 3]
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
 
 
@@ -184,11 +184,11 @@ def test_the_cache_stores_the_auxiliary_layers_and_training_from_it_matches_live
     plain_key, _ = cache_location(typed_cfg(*FAST), backbone)
     assert key != plain_key  # the layer ids are part of the key
     cache = HiddenCache(path)
-    assert cache.aux_layers == [0, 1]
+    assert cache.aux_layers == [1]
     splits = load_splits(data_dirs(cfg))
     ids = torch.tensor([splits["train"][3]["input_ids"][:96]])
     with torch.no_grad():
-        _, live = backbone.hidden_and_aux(ids, None, [0, 1])
+        _, live = backbone.hidden_and_aux(ids, None, [1])
     np.testing.assert_allclose(cache.aux("train", 3).astype(np.float32), live[0].numpy(), rtol=2e-3, atol=2e-3)
 
     heads = build_heads(cfg.heads, backbone)
@@ -223,8 +223,8 @@ def test_eagle3_trains_saves_only_what_trains_and_reloads(typed_cfg, tmp_path):
 
     backbone = load_backbone(cfg.backbone)
     heads, meta = load_heads(tmp_path / "run", backbone)
-    assert heads.aux_layers == [0, 1] and heads.draft_size == len(state["draft_ids"])
-    torch.testing.assert_close(heads.lm_head.weight, backbone.lm_head.weight[state["draft_ids"]])
+    assert heads.aux_layers == [1] and heads.draft_size == len(state["draft_ids"])
+    torch.testing.assert_close(heads.head_weight(), backbone.lm_head.weight[state["draft_ids"]])
     torch.testing.assert_close(heads.fc.weight, state["fc.weight"])
 
 
@@ -282,3 +282,65 @@ def test_clp_labels_eagle3_heads_from_their_own_cache(typed_cfg, tmp_path):
     m = run_clp(typed_cfg(*FAST, "clp.label_source=cache", f"clp.heads={tmp_path}/train", "stage=label",
                           f"paths.output_dir={tmp_path}/clp"))["label"]
     assert m["source"] == "cache" and m["rows"] > 0 and m["k"] == 2
+
+
+def test_a_bf16_copy_keeps_float32_rotary_frequencies(backbone4):
+    heads = build_heads(HeadsConfig(type="eagle3", k=2), backbone4)
+    fp32 = heads.rotary_emb.inv_freq.clone()
+    half = heads.to(torch.bfloat16)
+    assert half.fc.weight.dtype == torch.bfloat16 and half.rotary_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(half.rotary_emb.inv_freq, fp32, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["verify", "adaptive"])
+def test_every_step_of_a_decode_drafts_what_a_fresh_drafter_drafts(backbone4, mode):
+    """The drafter's KV cache stays exact across steps: tree steps whose scratch rows are dropped,
+    steps that commit several tokens, and (adaptive) steps that draft nothing, after which the
+    committed rows catch up. Each step's tree equals one drafted from scratch on the same tokens."""
+    from mtp_train.decoding import CostPolicy, Decoder, draft_tree
+
+    torch.manual_seed(6)
+    heads = jittered(build_heads(HeadsConfig(type="eagle3", k=3), backbone4), seed=6)
+    shape = TreeShape.of([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    kw = {"tree": shape} if mode == "verify" else {
+        "depth_policy": CostPolicy([TreeShape(()), TreeShape.chain(1), shape], [1.0, 1.3, 1.6], probe=3)}
+    prompt = torch.randint(0, 250, (10,), generator=torch.Generator().manual_seed(6)).tolist()
+    dec = Decoder(backbone4, heads, eos_ids=[10**6])
+    res = dec.generate(prompt, 30, mode, trace=True, **kw)
+    committed = prompt + res.tokens
+    fresh = Decoder(backbone4, heads, eos_ids=[10**6])
+    drafted = idle = 0
+    for p, tokens, parents, _, ranks in res.trace:
+        if not tokens:
+            idle += 1
+            continue
+        ids = torch.tensor(committed[: p + 2])
+        with torch.inference_mode():
+            hidden, aux = backbone4.hidden_and_aux(ids[None, : p + 1], None, heads.aux_layers)
+            fresh.drafter.reset()
+            tree = draft_tree(fresh.drafter, ids, hidden[0], TreeShape.of(ranks), 3, aux[0])
+        assert (tree.tokens, tree.parents) == (tokens, parents), p
+        drafted += 1
+    assert drafted >= 3 and (mode == "verify" or idle >= 1)
+
+
+def test_checkpoints_hold_only_what_trains_and_export_rebuilds_the_heads(typed_cfg, tmp_path):
+    from mtp_train import layout
+    from mtp_train.distributed import load_weights_only
+    from mtp_train.pipeline.export import export_heads
+    from tests.helpers import run_train
+    from tests.test_cache import FAST
+
+    run = tmp_path / "run"
+    run_train(typed_cfg(*FAST, "heads=eagle3", "heads.k=2", "heads.draft_vocab=64", f"paths.output_dir={run}"))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(run / "heads.safetensors"))
+    ckpt = load_weights_only(layout.last_checkpoint(run))["state_dict"]
+    assert not any("frozen_head" in n or "lm_head" in n for n in ckpt)  # the backbone's rows are not trained
+    (run / "heads.safetensors").unlink()
+    export_heads(run)
+    again = load_file(str(run / "heads.safetensors"))
+    assert set(again) == set(saved)
+    for n in saved:
+        torch.testing.assert_close(again[n], saved[n])

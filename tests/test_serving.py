@@ -41,13 +41,15 @@ def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
     from mtp_train.pipeline.serving import export_for_engine
 
     k = 3
-    cfg, run = _train(typed_cfg, tmp_path, "heads=eagle3", f"heads.k={k}", "heads.draft_vocab=64")
+    cfg, run = _train(typed_cfg, tmp_path, "heads=eagle3", f"heads.k={k}", "heads.draft_vocab=64",
+                      "backbone.tiny.num_layers=4")
     out = export_for_engine(run, "eagle3", tmp_path / "served")
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
-    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1] and config["draft_vocab_size"] == 64
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["draft_vocab_size"] == 64
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang: layer outputs
     weights = load_file(str(out / "model.safetensors"))
-    assert weights["fc.weight"].shape == (64, 128) and weights["lm_head.weight"].shape == (64, 64)
+    assert weights["fc.weight"].shape == (64, 192) and weights["lm_head.weight"].shape == (64, 64)
     assert weights["t2d"].dtype == torch.bool and int(weights["t2d"].sum()) == 64
     backbone, heads = _loaded(cfg, run)
     assert torch.equal(weights["d2t"] + torch.arange(64), heads.draft_ids)
@@ -203,6 +205,10 @@ def test_formats_refuse_families_they_cannot_express_and_heads_that_are_not_trai
     with pytest.raises(MtpError, match=r"blocks\.1\.0\.linear\.weight"):
         export_for_engine(tmp_path / "m", "medusa")
     assert not (tmp_path / "m" / "export-medusa").exists()  # nothing half-written
+    cfg3 = typed_cfg(*FAST, "heads=eagle3", "heads.k=2", f"hydra.run.dir={tmp_path}/e", f"paths.output_dir={tmp_path}/e")
+    run_train(cfg3)  # the 2-layer tiny backbone: one auxiliary layer
+    with pytest.raises(MtpError, match=r"fusing 1 layers \(\[1\]\); vLLM's drafter reads exactly 3"):
+        export_for_engine(tmp_path / "e", "eagle3")
 
 
 @pytest.mark.bad_input

@@ -142,8 +142,11 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
     if (m := read_manifest(out)) is not None and m.get("config_hash") == key:
         log.info("labels: %s is up to date", out)
         return m
+    import types
+
     k, embed = heads.k, backbone.embed_tokens
     dtype = next(heads.parameters()).dtype
+    lm_head = types.SimpleNamespace(weight=backbone.lm_head.weight.to(dtype))  # the heads' dtype, whatever the backbone's
     with_aux = bool(getattr(heads, "aux_layers", None))  # EAGLE-3 heads read auxiliary layers too
     cols = {"hidden": [], "head_probs": [], "label": [], "prompt": []}
     for i in tqdm(range(first, len(rows)), desc="acceptance labels (cache)", unit="row", dynamic_ncols=True):
@@ -155,7 +158,7 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
         ids, answer, hidden, greedy = ids[:T], answer[:T], hidden[:T], greedy[:T]
         aux = torch.from_numpy(np.asarray(cache.aux(split, i)[:T], dtype=np.float32))[None] if with_aux else None
         head_hidden = heads(hidden[None].to(dtype), ids[None], embed, aux=aux)[0]  # (T, k, d)
-        prob, idx = torch.softmax(heads.project(head_hidden, backbone.lm_head).float(), -1).max(-1)  # (T, k)
+        prob, idx = torch.softmax(heads.project(head_hidden, lm_head).float(), -1).max(-1)  # (T, k)
         pos, label = greedy_path_labels(heads.to_tokens(idx), ids, greedy, answer)
         cols["hidden"].append(hidden[pos].numpy())
         cols["head_probs"].append(prob[pos].numpy())

@@ -38,20 +38,21 @@ from mtp_train.heads.vocab import DraftVocab
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's choice, [2, L // 2, L - 3]; a backbone with too few layers for three distinct ones
-    (the tiny test model) spreads up to three over [0, L - 1] instead."""
+    (the tiny test models) takes up to three of [1, L // 2, L - 1] instead."""
     ids = [2, num_layers // 2, num_layers - 3]
-    if len(set(ids)) == 3 and min(ids) >= 0:
+    if len(set(ids)) == 3 and min(ids) >= 1:
         return ids
-    return sorted({0, num_layers // 2, num_layers - 1})
+    return sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1})
 
 
 def check_aux_layers(aux_layers: list[int], num_layers: int) -> list[int]:
-    """Layer ids name the input of that decoder layer (0 = the embeddings), as vLLM records them."""
+    """Layer ids name the input of that decoder layer (0 = the embeddings), as vLLM records them, and
+    are fused in ascending order, the order the engines collect them in."""
     ids = [int(i) for i in aux_layers]
     if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_layers:
         raise ValueError(f"heads.aux_layers must be distinct layer ids in [0, {num_layers - 1}] for a "
                          f"backbone with {num_layers} layers, got {ids}")
-    return ids
+    return sorted(ids)
 
 
 def draft_layer_config(backbone_config):
@@ -147,16 +148,38 @@ class Eagle3Heads(DraftVocab):
         self.layers = nn.ModuleList([Eagle3Layer(cfg, norm_before_residual)])
         self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
         rows = lm_head_weight if self.draft_ids is None else lm_head_weight[self.draft_ids.to(lm_head_weight.device)]
-        self.lm_head = nn.Linear(d, len(rows), bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(rows)
-        self.lm_head.weight.requires_grad_(trainable_lm_head)
+        if trainable_lm_head:
+            self.lm_head = nn.Linear(d, len(rows), bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(rows)
+            self.register_buffer("frozen_head", None)
+        else:  # the backbone's rows: rebuilt from it on load, so no checkpoint or heads file holds them
+            self.lm_head = None
+            self.register_buffer("frozen_head", rows.detach().clone().float(), persistent=False)
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
         self.lm_heads = None  # the other families' per-depth heads; this one has its own `lm_head`
 
     @property
     def layer(self) -> Eagle3Layer:
         return self.layers[0]
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head over the draft vocabulary, (|D|, d): trainable, or the backbone's rows."""
+        return self.lm_head.weight if self.lm_head is not None else self.frozen_head
+
+    def _apply(self, fn, recurse=True):
+        """Casting the heads (bf16 drafting) keeps the rotary frequencies in float32: a bf16 copy of
+        them is off by up to 0.2%, an error that grows with the position (the backbone keeps its own
+        float32 too)."""
+        super()._apply(fn, recurse)
+        rot = self.rotary_emb
+        if rot.inv_freq.dtype != torch.float32:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            fresh = LlamaRotaryEmbedding(self.layer_config)
+            rot.inv_freq = fresh.inv_freq.to(rot.inv_freq.device)
+            rot.original_inv_freq = fresh.original_inv_freq.to(rot.inv_freq.device)
+        return self
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor):
         """cos, sin for positions (B, n)."""
@@ -188,7 +211,8 @@ class Eagle3Heads(DraftVocab):
         groups = layer.self_attn.n_heads // layer.self_attn.n_kv
         for j in range(1, self.k + 1):
             ahead = torch.zeros_like(emb_all)
-            ahead[:, : T - j] = emb_all[:, j:]  # emb(x_{t+j})
+            if j < T:
+                ahead[:, : T - j] = emb_all[:, j:]  # emb(x_{t+j})
             cos, sin = self.rotary(h, base + (j - 1))
             q, kk, vv, residual = layer.qkv(ahead, h, cos, sin)
             keys.append(_repeat_kv(kk, groups))
@@ -223,7 +247,8 @@ class Eagle3Heads(DraftVocab):
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """(..., d) outputs before the final norm -> logits (..., |D|) from this head's own LM head."""
-        return self.lm_head(self.norm(head_hidden))
+        x = self.norm(head_hidden)
+        return x @ self.head_weight().to(x.dtype).T
 
     # --- the engines' vocabulary maps -------------------------------------------------------------
 

@@ -22,19 +22,22 @@ def cache_compute(cfg: Config, backbone) -> str:
     return resolve_autocast(backbone.device, cfg.data.distill.autocast)
 
 
-def cache_location(cfg: Config, backbone, aux_layers: list[int] | None = None) -> tuple[str, Path]:
+FROM_CONFIG = "from-config"  # aux_layers not given: those of cfg.heads (None: heads that read none)
+
+
+def cache_location(cfg: Config, backbone, aux_layers=FROM_CONFIG) -> tuple[str, Path]:
     """(key, folder) of the hidden-state cache for this config's data, backbone and row length, and
-    the auxiliary layers the heads read (`aux_layers`, else those of cfg.heads: heads=eagle3's)."""
+    the auxiliary layers the heads read (`aux_layers`: the loaded heads'; by default cfg.heads')."""
     from mtp_train.data.cache import STATES_DTYPE, cache_key
     from mtp_train.heads import aux_layers_for
 
-    aux = aux_layers if aux_layers is not None else aux_layers_for(cfg.heads, backbone.config)
+    aux = aux_layers_for(cfg.heads, backbone.config) if aux_layers == FROM_CONFIG else aux_layers
     key = cache_key(layout.data_dirs(cfg), backbone.identity, layout.max_length(cfg), STATES_DTYPE,
                     cache_compute(cfg, backbone), aux)
     return key, layout.cache_dir(cfg.data.output_dir, key)
 
 
-def open_cache(cfg: Config, backbone, aux_layers: list[int] | None = None):
+def open_cache(cfg: Config, backbone, aux_layers=FROM_CONFIG):
     """The hidden-state cache for exactly these data, backbone and length (and auxiliary layers), if
     one was built."""
     from mtp_train.data.cache import HiddenCache

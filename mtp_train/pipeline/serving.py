@@ -82,6 +82,8 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     a backbone built in code (the tiny test model) is saved beside them in <out>/backbone."""
     from mtp_train.artifacts import publish_dir, temp_dir_for
 
+    if fmt == "eagle3":
+        check_engine_layers(heads.aux_layers, source or out)
     out = Path(out)
     tmp = temp_dir_for(out)
     tmp.mkdir(parents=True)
@@ -122,6 +124,18 @@ def write_export(tmp: Path, config: dict, state: dict[str, torch.Tensor]) -> Non
 
 # --- EAGLE-3 ------------------------------------------------------------------------------------
 
+def check_engine_layers(aux_layers: list[int], where) -> None:
+    """What the engines can serve: vLLM's EAGLE-3 fc reads exactly three layers, and an engine that
+    records the input of layer 0 adds a residual that does not exist yet there (and SGLang, which
+    names layer outputs, cannot name the embeddings)."""
+    if len(aux_layers) != 3:
+        raise MtpError(f"{where}: EAGLE-3 heads fusing {len(aux_layers)} layers ({aux_layers}); vLLM's "
+                       "drafter reads exactly 3 (train with three heads.aux_layers)")
+    if 0 in aux_layers:
+        raise MtpError(f"{where}: EAGLE-3 heads read layer 0 (the embeddings), which vLLM and SGLang do "
+                       "not record; train with heads.aux_layers >= 1")
+
+
 def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
     """(config.json, weights) in the speculators eagle3 layout."""
     layer_cfg = heads.layer_config.to_diff_dict()
@@ -139,6 +153,8 @@ def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
         "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(heads.aux_layers),
+        # SGLang reads its own key, naming the layer whose output is taken (the input of the next)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in heads.aux_layers]},
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -150,6 +166,7 @@ def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
         },
     }
     state = {n: t for n, t in heads.state_dict().items() if n != "draft_ids"}
+    state["lm_head.weight"] = heads.head_weight().detach()
     # the backbone's embedding, as speculators saves it: without it its loader keeps a random init
     state["embed_tokens.weight"] = backbone.embed_tokens.weight.detach()
     if heads.draft_size < heads.vocab_size:
