@@ -379,8 +379,8 @@ def make_drafter(heads, backbone, mm: MatmulPlan):
 def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_depth: int,
                aux: torch.Tensor | None = None) -> DraftTree:
     """Draft the nodes `plan` asks for (a TreeShape or a DynamicTree), level by level, no deeper than
-    `max_depth`; `aux` (N - 1, n * d): the backbone's auxiliary states, for EAGLE-3 heads. A drafter with only `draft(tokens, hidden, n)` (tests' scripted drafters) drafts
-    chains."""
+    `max_depth`; `aux` (N - 1, n * d): the backbone's auxiliary states, for EAGLE-3 heads. A drafter
+    with only `draft(tokens, hidden, n)` (tests' scripted drafters) drafts chains."""
     tree = DraftTree()
     if isinstance(plan, TreeShape):
         depth = min(plan.depth, max_depth)
@@ -394,7 +394,7 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
         for i, (t, q) in enumerate(zip(drafts.tolist(), probs.tolist(), strict=True)):
             tree.add(t, i - 1, 0.0, q, ranks=(0,) * (i + 1))
         return tree
-    drafter.begin(tokens, hidden, aux)
+    drafter.begin(tokens, hidden) if aux is None else drafter.begin(tokens, hidden, aux)
     if isinstance(plan, TreeShape):
         node_of: dict[tuple, int] = {(): -1}
         by_depth: dict[int, list[tuple]] = {}

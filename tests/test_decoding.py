@@ -206,8 +206,8 @@ def test_kv_cache_equals_sequential_decoding_after_every_tree_step(tiny_backbone
     checked = []
 
     class Checking(Decoder):
-        def _commit(self, st, d, path, out, logits):
-            super()._commit(st, d, path, out, logits)
+        def _commit(self, st, d, path, out, logits, aux=None):
+            super()._commit(st, d, path, out, logits, aux)
             ref = DynamicCache()
             self._forward(st.tokens[:-1], ref)
             assert st.cache.get_seq_length() == ref.get_seq_length() == len(st.tokens) - 1
@@ -216,7 +216,7 @@ def test_kv_cache_equals_sequential_decoding_after_every_tree_step(tiny_backbone
                 torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
             checked.append(len(path))
 
-    for typ in ("chained", "medusa"):
+    for typ in ("chained", "medusa", "eagle3"):
         heads = _random_heads(bb, typ, seed=7)
         dec = Checking(bb, heads, eos_ids=[])
         shape = TreeShape.of([(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)])
