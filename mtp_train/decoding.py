@@ -296,11 +296,11 @@ class Eagle3Drafter:
     ancestors and itself (training-time test's pattern). Scratch rows live for one step only: after
     verification the committed positions get their depth-1 rows from the backbone's own states."""
 
-    def __init__(self, heads, embed: nn.Module, mm: MatmulPlan):
+    def __init__(self, heads, lm_head: nn.Module, embed: nn.Module, mm: MatmulPlan):
         self.heads, self.k, self.embed, self.mm = heads, heads.k, embed, mm
         self.layer = heads.layer
         self.dtype = next(heads.parameters()).dtype
-        self.weight = heads.head_weight().detach().to(self.dtype).contiguous()  # (|D|, d)
+        self.weight = heads.head_weight(lm_head).detach().to(self.dtype).contiguous()  # (|D|, d)
         self.to_tokens = heads.to_tokens
         self.reset()
 
@@ -370,7 +370,7 @@ def make_drafter(heads, backbone, mm: MatmulPlan):
     if heads is None:
         return None
     if getattr(heads, "aux_layers", None):
-        return Eagle3Drafter(heads, backbone.embed_tokens, mm)
+        return Eagle3Drafter(heads, backbone.lm_head, backbone.embed_tokens, mm)
     if hasattr(heads, "module_step"):
         return ChainedDrafter(heads, backbone.lm_head, backbone.embed_tokens, mm)
     return MedusaDrafter(heads, backbone.lm_head, mm)
@@ -394,7 +394,10 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
         for i, (t, q) in enumerate(zip(drafts.tolist(), probs.tolist(), strict=True)):
             tree.add(t, i - 1, 0.0, q, ranks=(0,) * (i + 1))
         return tree
-    drafter.begin(tokens, hidden) if aux is None else drafter.begin(tokens, hidden, aux)
+    if aux is None:  # drafters that read no auxiliary states may take two arguments (tests' planted ones)
+        drafter.begin(tokens, hidden)
+    else:
+        drafter.begin(tokens, hidden, aux)
     if isinstance(plan, TreeShape):
         node_of: dict[tuple, int] = {(): -1}
         by_depth: dict[int, list[tuple]] = {}
@@ -619,12 +622,6 @@ class Decoder:
             return
         same = next(self.heads.parameters()).dtype == dtype
         self.draft_heads = self.heads if same else copy.deepcopy(self.heads).to(dtype)
-        if not same:  # rotary frequencies stay float32 (a bf16 copy drifts with the position)
-            originals = dict(self.heads.named_buffers())
-            for name, buf in list(self.draft_heads.named_buffers()):
-                if name.endswith("inv_freq") and buf.dtype != originals[name].dtype:
-                    owner = self.draft_heads.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.draft_heads
-                    setattr(owner, name.rsplit(".", 1)[-1], originals[name].clone())
         self.drafter = make_drafter(self.draft_heads, self.backbone, self.mm)
 
     @property

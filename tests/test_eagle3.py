@@ -119,7 +119,7 @@ def _teacher_forced_logprobs(heads, backbone, ids, p, path_tokens):
         hidden, aux = backbone.hidden_and_aux(ids[:, : p + 1], None, heads.aux_layers)
         out = heads(hidden, ids[:, : p + 1 + heads.k], backbone.embed_tokens,
                     aux=torch.cat([aux, aux.new_zeros(1, heads.k, aux.shape[-1])], 1))
-        return torch.log_softmax(heads.project(out[0, p, len(path_tokens)]).float(), -1)
+        return torch.log_softmax(heads.project(out[0, p, len(path_tokens)], backbone.lm_head).float(), -1)
 
 
 @pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape.of([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0),
@@ -224,7 +224,7 @@ def test_eagle3_trains_saves_only_what_trains_and_reloads(typed_cfg, tmp_path):
     backbone = load_backbone(cfg.backbone)
     heads, meta = load_heads(tmp_path / "run", backbone)
     assert heads.aux_layers == [1] and heads.draft_size == len(state["draft_ids"])
-    torch.testing.assert_close(heads.head_weight(), backbone.lm_head.weight[state["draft_ids"]])
+    torch.testing.assert_close(heads.head_weight(backbone.lm_head), backbone.lm_head.weight[state["draft_ids"]])
     torch.testing.assert_close(heads.fc.weight, state["fc.weight"])
 
 

@@ -350,3 +350,13 @@ def test_a_damaged_heads_json_is_blamed_not_the_command_line(tiny_backbone, tmp_
     (tmp_path / "heads.json").write_text(json.dumps(meta))
     with pytest.raises(MtpError, match=message):
         load_heads(tmp_path, tiny_backbone)
+
+
+def test_a_bf16_copy_of_chained_heads_keeps_float32_rotary_frequencies(tiny_backbone):
+    heads = build_heads(HeadsConfig(type="chained", k=2), tiny_backbone)
+    fp32 = {n: b.clone() for n, b in heads.named_buffers() if n.endswith("inv_freq")}
+    half = heads.to(torch.bfloat16)
+    assert fp32 and next(half.parameters()).dtype == torch.bfloat16
+    for n, b in half.named_buffers():
+        if n in fp32:
+            assert b.dtype == torch.float32 and torch.equal(b, fp32[n]), n

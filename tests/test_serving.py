@@ -68,7 +68,7 @@ def _check_against_speculators(heads, backbone, out, k, tmp_path, vocab: int, T:
     ids = torch.randint(3, vocab, (1, T), generator=g)
     with torch.no_grad():
         hidden, aux = backbone.hidden_and_aux(ids, None, heads.aux_layers)
-        logits = heads.project(heads(hidden, ids, backbone.embed_tokens, aux=aux))[0]  # (T, k, |D|)
+        logits = heads.project(heads(hidden, ids, backbone.embed_tokens, aux=aux), backbone.lm_head)[0]  # (T, k, |D|)
     ours, sure = _confident_tokens(logits)
     ours = heads.to_tokens(ours)  # (T, k)
     save_file({"aux": aux.contiguous(), "ids": ids}, str(tmp_path / "tf.safetensors"))

@@ -45,10 +45,9 @@ def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = Non
                            draft_ids=draft_ids)
     if cfg.type == "eagle3":
         try:
-            return Eagle3Heads(backbone.config, cfg.k, aux_layers_for(cfg, backbone.config),
-                               backbone.lm_head.weight.detach(), draft_ids=draft_ids,
-                               trainable_lm_head=cfg.lm_head == "copy",
-                               norm_before_residual=cfg.norm_before_residual)
+            copy = backbone.lm_head.weight.detach() if cfg.lm_head == "copy" else None
+            return Eagle3Heads(backbone.config, cfg.k, aux_layers_for(cfg, backbone.config), copy,
+                               draft_ids=draft_ids, norm_before_residual=cfg.norm_before_residual)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     init_from = backbone.model.base_model if cfg.init == "copy_last" else None

@@ -17,9 +17,9 @@ data's x_{t+j}, teacher forcing) at position t + j - 1. Each depth's query atten
 of positions <= t plus the keys of its own earlier depths at t ("training-time test"): exactly what
 an engine's drafter sees when it drafts j tokens after position t. `norm_before_residual` uses
 hidden_norm(h) as the residual (a variant some released drafters use; the engines' defaults differ,
-so the export writes it). The LM head is the backbone's rows for the draft vocabulary, frozen
-(`heads.lm_head=shared`, as `speculators` trains it) or a trainable copy (`copy`); the token
-embedding is the backbone's, passed in at call time.
+so the export writes it). The LM head is the backbone's rows for the draft vocabulary, frozen and
+passed in at call time like the token embedding (`heads.lm_head=shared`, as `speculators` trains it),
+or a trainable copy (`copy`).
 
 The layer is a Llama layer built from the backbone's own sizes and rotary settings, so the exported
 `transformer_layer_config` is a Llama config; attention is written out here (eager, float32 scores)
@@ -130,11 +130,10 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class Eagle3Heads(DraftVocab):
-    def __init__(self, backbone_config, k: int, aux_layers: list[int], lm_head_weight: torch.Tensor,
-                 draft_ids: torch.Tensor | None = None, trainable_lm_head: bool = False,
-                 norm_before_residual: bool = False):
-        """`lm_head_weight` (V, d): the backbone's LM head; its draft-vocabulary rows start this
-        head's own, frozen unless `trainable_lm_head`."""
+    def __init__(self, backbone_config, k: int, aux_layers: list[int], lm_head_weight: torch.Tensor | None = None,
+                 draft_ids: torch.Tensor | None = None, norm_before_residual: bool = False):
+        """`lm_head_weight` (V, d): given = a trainable LM head starting as its draft-vocabulary rows;
+        None = the backbone's own rows, passed to `project` (frozen, never stored)."""
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         super().__init__()
@@ -147,15 +146,12 @@ class Eagle3Heads(DraftVocab):
         self.fc = nn.Linear(len(self.aux_layers) * d, d, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(cfg, norm_before_residual)])
         self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
-        rows = lm_head_weight if self.draft_ids is None else lm_head_weight[self.draft_ids.to(lm_head_weight.device)]
-        if trainable_lm_head:
+        self.lm_head = None
+        if lm_head_weight is not None:
+            rows = lm_head_weight if self.draft_ids is None else lm_head_weight[self.draft_ids.to(lm_head_weight.device)]
             self.lm_head = nn.Linear(d, len(rows), bias=False)
             with torch.no_grad():
                 self.lm_head.weight.copy_(rows)
-            self.register_buffer("frozen_head", None)
-        else:  # the backbone's rows: rebuilt from it on load, so no checkpoint or heads file holds them
-            self.lm_head = None
-            self.register_buffer("frozen_head", rows.detach().clone().float(), persistent=False)
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
         self.lm_heads = None  # the other families' per-depth heads; this one has its own `lm_head`
 
@@ -163,23 +159,9 @@ class Eagle3Heads(DraftVocab):
     def layer(self) -> Eagle3Layer:
         return self.layers[0]
 
-    def head_weight(self) -> torch.Tensor:
+    def head_weight(self, lm_head: nn.Module) -> torch.Tensor:
         """The LM head over the draft vocabulary, (|D|, d): trainable, or the backbone's rows."""
-        return self.lm_head.weight if self.lm_head is not None else self.frozen_head
-
-    def _apply(self, fn, recurse=True):
-        """Casting the heads (bf16 drafting) keeps the rotary frequencies in float32: a bf16 copy of
-        them is off by up to 0.2%, an error that grows with the position (the backbone keeps its own
-        float32 too)."""
-        super()._apply(fn, recurse)
-        rot = self.rotary_emb
-        if rot.inv_freq.dtype != torch.float32:
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-            fresh = LlamaRotaryEmbedding(self.layer_config)
-            rot.inv_freq = fresh.inv_freq.to(rot.inv_freq.device)
-            rot.original_inv_freq = fresh.original_inv_freq.to(rot.inv_freq.device)
-        return self
+        return self.lm_head.weight if self.lm_head is not None else self.draft_weight(lm_head)
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor):
         """cos, sin for positions (B, n)."""
@@ -245,10 +227,10 @@ class Eagle3Heads(DraftVocab):
         resid = H - A @ W.T
         return float(1 - resid.pow(2).sum() / (H - H.mean(0)).pow(2).sum())
 
-    def project(self, head_hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """(..., d) outputs before the final norm -> logits (..., |D|) from this head's own LM head."""
+    def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """(..., d) outputs before the final norm -> logits (..., |D|) after the final norm."""
         x = self.norm(head_hidden)
-        return x @ self.head_weight().to(x.dtype).T
+        return x @ self.head_weight(lm_head).to(x.dtype).T
 
     # --- the engines' vocabulary maps -------------------------------------------------------------
 

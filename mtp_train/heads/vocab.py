@@ -40,6 +40,19 @@ def label_token_counts(rows, vocab_size: int) -> np.ndarray:
 class DraftVocab(nn.Module):
     """Mixin for head families: the optional draft vocabulary and the projection onto it."""
 
+    def _apply(self, fn, recurse=True):
+        """Casting the heads (bf16 drafting, DeepSpeed's bf16) keeps rotary frequencies (`inv_freq`
+        buffers) in float32: a bf16 copy is off by up to 0.2%, an error that grows with the
+        position (the backbone keeps its own in float32 too)."""
+        kept = {n: b for n, b in self.named_buffers() if n.endswith("inv_freq")}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            now = self.get_buffer(name)
+            if now.dtype != old.dtype:
+                owner, _, leaf = name.rpartition(".")
+                setattr(self.get_submodule(owner), leaf, old.to(now.device))
+        return self
+
     def _init_draft(self, vocab_size: int, draft_ids: torch.Tensor | None) -> None:
         self.vocab_size = vocab_size
         if draft_ids is not None:

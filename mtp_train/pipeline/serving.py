@@ -166,7 +166,7 @@ def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
         },
     }
     state = {n: t for n, t in heads.state_dict().items() if n != "draft_ids"}
-    state["lm_head.weight"] = heads.head_weight().detach()
+    state["lm_head.weight"] = heads.head_weight(backbone.lm_head).detach()
     # the backbone's embedding, as speculators saves it: without it its loader keeps a random init
     state["embed_tokens.weight"] = backbone.embed_tokens.weight.detach()
     if heads.draft_size < heads.vocab_size:
