@@ -91,14 +91,14 @@ class Backbone:
         return out.last_hidden_state
 
     def hidden_and_aux(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       aux_layers: list[int] | None = None):
+                       aux_layers: list[int] | None = None, **kw):
         """Final hidden states (B, T, d) and, for `aux_layers`, the inputs of those decoder layers
         (id 0 = the embeddings) concatenated, (B, T, n * d), as vLLM records them for EAGLE-3; None
-        without aux_layers."""
+        without aux_layers. `kw` (a KV cache, positions) go to the base model."""
         if not aux_layers:
             return self.hidden_states(input_ids, attention_mask), None
         out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    output_hidden_states=True)
+                                    output_hidden_states=True, **kw)
         return out.last_hidden_state, torch.cat([out.hidden_states[i] for i in aux_layers], -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

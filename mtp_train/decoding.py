@@ -639,8 +639,9 @@ class Decoder:
         """As `_forward`, plus the inputs of the heads' auxiliary layers (n, n_aux * d) (or None)."""
         if not self.aux_layers:
             return self._forward(ids, cache, **kw), None
-        out = self.base(input_ids=ids[None], cache=cache, use_cache=True, output_hidden_states=True, **kw)
-        return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in self.aux_layers], -1)
+        hidden, aux = self.backbone.hidden_and_aux(ids[None], aux_layers=self.aux_layers, cache=cache,
+                                                   use_cache=True, **kw)
+        return hidden[0], aux[0]
 
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "greedy", **opts) -> DecodeResult:
         """Decode `prompt` (token ids) for at most max_new_tokens new tokens; see `_generate`."""
