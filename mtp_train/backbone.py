@@ -4,7 +4,7 @@ Draft heads train on top of a backbone that never changes (requires_grad=False, 
 module loads it (hub id or local dir, a GGUF file converted once to safetensors, or a tiny random
 Llama built in code for tests) and exposes what heads need: final hidden states, the (possibly tied)
 LM head, the token embedding and the tokenizer with its chat template. Optional LoRA adapters
-(peft, off by default) are injected in place; then only they train.
+(peft, off by default; mtp_train/adapters.py) are injected in place; then they train with the heads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mtp_train.artifacts import file_sha256, publish_dir, read_json, temp_dir_for, write_json_atomic
-from mtp_train.config import BackboneConfig, LoraConfig, TinyBackboneConfig
+from mtp_train.config import BackboneConfig, TinyBackboneConfig
 from mtp_train.errors import BackboneError
 from mtp_train.layout import CONVERT_MANIFEST
 
@@ -47,6 +47,7 @@ class Backbone:
     tokenizer: object
     name: str
     identity: dict | None = None  # what produced these weights: stages that depend on them hash it
+    adapter: str | None = None  # the LoRA adapter directory loaded into the model (with a run's heads)
     _fingerprint: str | None = field(default=None, repr=False)
 
     @property
@@ -191,6 +192,8 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
         fingerprint = weights_fingerprint(files if files is not None else memory_samples(model))
     freeze(model)
     if cfg.lora.enabled:
+        from mtp_train.adapters import add_lora
+
         add_lora(model, cfg.lora)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model.to(device)
@@ -201,8 +204,10 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
 def backbone_identity(cfg: BackboneConfig) -> dict:
     """What produces the backbone's weights, without loading them: stages that depend on the weights
     hash this (a converted GGUF counts by its source file's sha256)."""
+    # LoRA adapters are not part of it: prepared data and caches are made by the original weights
+    # (adapters start at zero); a training recipe adds backbone.lora, loaded adapters add their hash
     identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path, "gguf_file": cfg.gguf_file,
-                "dtype": cfg.dtype, "lora": vars(cfg.lora) if cfg.lora.enabled else None,
+                "dtype": cfg.dtype, "lora": None,
                 "tiny": vars(cfg.tiny) if cfg.source == "tiny" else None}
     if cfg.source == "gguf":
         identity["weights_sha256"] = (read_json(Path(cfg.converted_dir) / CONVERT_MANIFEST) or {}).get(
@@ -248,19 +253,6 @@ def _load_hf(path: str, dtype: torch.dtype):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
-
-
-def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """Inject LoRA adapters in place (peft); only the adapters get requires_grad=True."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import inject_adapter_in_model
-
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                              target_modules=list(cfg.target_modules))
-    inject_adapter_in_model(peft_cfg, model)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
-    return model
 
 
 # --- the tiny backbone -----------------------------------------------------------------------------

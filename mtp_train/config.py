@@ -79,10 +79,17 @@ class LoraConfig:
     alpha: int = 16
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # weight of the term that keeps the adapted backbone's next-token distribution close to the
+    # original's (KL(original || adapted) per token); 0 lets the adapters serve the heads alone
+    distill_weight: float = 1.0
+    lr: float | None = None  # the adapters' learning rate (None: train.lr)
 
     def __post_init__(self) -> None:
         _check(self.r > 0, "backbone.lora.r", "must be > 0")
         _check(0.0 <= self.dropout < 1.0, "backbone.lora.dropout", "must be in [0, 1)")
+        _check(self.distill_weight >= 0, "backbone.lora.distill_weight", "must be >= 0")
+        _check(self.lr is None or self.lr > 0, "backbone.lora.lr", "must be > 0 (or null for train.lr)")
+        _check(bool(self.target_modules), "backbone.lora.target_modules", "name at least one module")
 
 
 @dataclass

@@ -7,6 +7,7 @@ Prepared data (under `data.output_dir`, written by `mtp-prep`):
 
 A training run (`mtp-train`, its Hydra run directory):
     heads.safetensors, heads.json      the trained heads and what made them
+    adapter/                           with backbone.lora: the LoRA adapters trained with them (PEFT format)
     tree_stats.json                    per-depth rank statistics that token trees are grown from
     run_meta.json, run_config.yaml     what the checkpoints were made for; the resolved config
     checkpoints/last.ckpt              Lightning's (a directory of shards under DeepSpeed ZeRO)
@@ -50,6 +51,7 @@ CONVERT_MANIFEST = "mtp_backbone.json"  # in a converted (GGUF -> safetensors) b
 
 # --- a training run ------------------------------------------------------------------------------
 HEADS_FILE, HEADS_META = "heads.safetensors", "heads.json"
+ADAPTER_DIR = "adapter"  # with backbone.lora: the trained LoRA adapters, a PEFT adapter directory
 TREE_STATS = "tree_stats.json"
 RUN_META = "run_meta.json"
 RUN_CONFIG = "run_config.yaml"  # the resolved config of the run, written under the run lock

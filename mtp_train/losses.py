@@ -190,6 +190,22 @@ def kl_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tens
     return _reduce(kl, mask, depth_weights)
 
 
+def backbone_distill_loss(logits: torch.Tensor, reference_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked positions of KL(p_ref || p): keeps an adapted backbone's next-token
+    distribution p = softmax(logits) close to the original's p_ref = softmax(reference_logits)
+    (detached). (B, T, V) x 2, mask (B, T) -> a scalar; 0 when nothing is masked in."""
+    if logits.shape != reference_logits.shape or mask.shape != logits.shape[:-1]:
+        raise ValueError(f"logits {tuple(logits.shape)}, reference {tuple(reference_logits.shape)} and "
+                         f"mask {tuple(mask.shape)} do not match")
+    keep = mask.bool()
+    if not keep.any():
+        return logits.sum() * 0.0
+    log_q = F.log_softmax(_upcast(logits[keep]), dim=-1)  # (N, V)
+    with torch.no_grad():
+        log_p = F.log_softmax(_upcast(reference_logits[keep].detach()), dim=-1)  # (N, V)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
 def tv_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
             depth_weights: Sequence[float] | None = None, teacher_logprobs: bool = False) -> LossOutput:
     """Per depth 1 - alpha = TV(p, q) (Bebop); also reports the masked mean alpha per depth."""

@@ -110,7 +110,8 @@ def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreig
 def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple[nn.Module, dict]:
     """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`:
     its shape always; its name and weights fingerprint unless `allow_foreign`
-    (backbone.allow_foreign_heads), which only warns.
+    (backbone.allow_foreign_heads), which only warns. Heads trained with LoRA adapters bring them:
+    the adapters are loaded into `backbone` (in place), which is then the adapted model.
 
     Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
     from safetensors.torch import load_file
@@ -143,4 +144,8 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     if unexpected or trainable & set(missing):
         raise MtpError(f"{weights}: does not match {cfg.type} heads with k={cfg.k} "
                        f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
+    if meta.get("adapter"):  # trained jointly with LoRA adapters: the heads draft for the adapted backbone
+        from mtp_train.adapters import attach_run_adapter
+
+        attach_run_adapter(d, meta["adapter"], backbone)
     return heads.to(backbone.device).eval(), meta

@@ -23,9 +23,9 @@ import lightning as L
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from mtp_train.config import LossConfig, TrainConfig
+from mtp_train.config import LoraConfig, LossConfig, TrainConfig
 from mtp_train.errors import MtpError
-from mtp_train.losses import LossOutput, acceptance, compute_loss, topk_loss
+from mtp_train.losses import LossOutput, acceptance, backbone_distill_loss, compute_loss, topk_loss
 from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
 from mtp_train.targets import depth_targets
 from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
@@ -46,11 +46,22 @@ class NonFiniteLoss(MtpError):
 
 
 class MTPHeadsModule(L.LightningModule):
-    def __init__(self, backbone, heads: torch.nn.Module, loss_cfg: LossConfig, train_cfg: TrainConfig):
+    def __init__(self, backbone, heads: torch.nn.Module, loss_cfg: LossConfig, train_cfg: TrainConfig,
+                 lora_cfg: LoraConfig | None = None):
         super().__init__()
-        self.backbone = backbone  # not an nn.Module: never trained, never checkpointed
+        self.backbone = backbone  # not an nn.Module: its base weights are never trained or checkpointed
         self.heads = heads
         self.loss_cfg, self.train_cfg = loss_cfg, train_cfg
+        # with backbone.lora: the backbone's LoRA layers, registered here so that the optimizer, DDP
+        # and checkpoints see them (the same objects the backbone runs); None otherwise
+        self.lora_cfg = lora_cfg if lora_cfg is not None and lora_cfg.enabled else None
+        self.adapters = None
+        if self.lora_cfg is not None:
+            from mtp_train.adapters import adapter_modules
+
+            self.adapters = adapter_modules(backbone.model)
+            if self.adapters is None:
+                raise MtpError("backbone.lora.enabled is set, but the backbone carries no LoRA layers")
         self.k = heads.k
         self._val_chain = []
         self._val_ranks, self._val_dense = [], None
@@ -84,24 +95,24 @@ class MTPHeadsModule(L.LightningModule):
         ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
         heads, lm_head = self.heads, self.backbone.lm_head
         aux_layers = getattr(heads, "aux_layers", None)  # EAGLE-3 reads these layers' inputs too
-        with torch.no_grad():
-            full = aux = None
-            if "hidden" in batch:  # from the hidden-state cache: no backbone layer and no V-sized logits
-                hidden = batch["hidden"].to(lm_head.weight.dtype)  # (B, T, d)
-                stats = {name: batch[name] for name in ("lse", "top", "entropy")}  # (B, T) each
-                if aux_layers:
-                    if "aux" not in batch:
-                        raise MtpError("the hidden-state cache holds no auxiliary layer states; build it "
-                                       "with `mtp-prep stage=cache` and the same heads= settings")
-                    aux = batch["aux"].to(lm_head.weight.dtype)  # (B, T, n_aux * d)
-            else:
+        distill = None
+        if "hidden" in batch:  # from the hidden-state cache: no backbone layer and no V-sized logits
+            hidden, aux, full, stats = self._cached_states(batch, aux_layers)
+        elif self.adapters is not None:  # the adapted backbone, live, with gradients into the adapters
+            hidden, aux = self.backbone.hidden_and_aux(ids, attn, aux_layers)  # (B, T, d), (B, T, n * d)
+            full = self.backbone.logits(hidden)  # (B, T, V)
+            stats = backbone_stats(full.detach())
+            distill = self._distill_term(ids, attn, full)
+        else:
+            with torch.no_grad():
                 hidden, aux = self.backbone.hidden_and_aux(ids, attn, aux_layers)  # (B, T, d), (B, T, n * d)
                 full = self.backbone.logits(hidden)  # (B, T, V)
                 stats = backbone_stats(full)
         targets, valid = depth_targets(ids, labels, self.k, attn)  # (B, T, k) x 2
         rows = valid.any(-1)  # (B, T) positions with at least one target: only these are projected
-        if not rows.any():
-            return self.heads_zero()
+        if not rows.any():  # no MTP target in this batch: only the distillation term (if any) counts
+            extra = 0.0 if distill is None else self.lora_cfg.distill_weight * distill
+            return self.heads_zero() + extra
         head_hidden = heads(hidden, ids, self.backbone.embed_tokens, attn, aux=aux)  # (B, T, k, d)
         logits = heads.project(head_hidden[rows], lm_head)[None]  # (1, N, k, |D|)
         with torch.no_grad():
@@ -136,6 +147,12 @@ class MTPHeadsModule(L.LightningModule):
                      sync_dist=split == "val")
             out = LossOutput(loss=out.loss + self.loss_cfg.topk_weight * extra.loss,
                              per_depth=out.per_depth, alpha=out.alpha)
+        if distill is not None:
+            self.log(f"{split}/loss_distill", distill, on_step=split == "train", on_epoch=True,
+                     sync_dist=split == "val")
+            if self.lora_cfg.distill_weight > 0:
+                out = LossOutput(loss=out.loss + self.lora_cfg.distill_weight * distill,
+                                 per_depth=out.per_depth, alpha=out.alpha)
         if not torch.isfinite(out.loss):
             bad = [j + 1 for j in range(self.k) if not torch.isfinite(out.per_depth[j])]
             raise NonFiniteLoss(f"non-finite {name} loss at step {self.global_step} "
@@ -145,6 +162,28 @@ class MTPHeadsModule(L.LightningModule):
             self._collect_ranks(logits.detach()[0], bb_top[0], valid[rows], ids, stats, rows)
         return out.loss
 
+    @torch.no_grad()
+    def _cached_states(self, batch: dict, aux_layers):
+        """(hidden (B, T, d), aux (B, T, n_aux * d) or None, no logits, stats) from the cache's batch."""
+        dtype = self.backbone.lm_head.weight.dtype
+        stats = {name: batch[name] for name in ("lse", "top", "entropy")}  # (B, T) each
+        aux = None
+        if aux_layers:
+            if "aux" not in batch:
+                raise MtpError("the hidden-state cache holds no auxiliary layer states; build it "
+                               "with `mtp-prep stage=cache` and the same heads= settings")
+            aux = batch["aux"].to(dtype)
+        return batch["hidden"].to(dtype), aux, None, stats
+
+    def _distill_term(self, ids: torch.Tensor, attn: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """KL(original || adapted) of the next-token distribution, per real token: the original's
+        logits come from the same weights with the adapters bypassed (no gradient)."""
+        from mtp_train.adapters import adapters_disabled
+
+        with torch.no_grad(), adapters_disabled(self.backbone.model):
+            reference = self.backbone.logits(self.backbone.hidden_states(ids, attn))  # (B, T, V)
+        return backbone_distill_loss(logits, reference, attn)
+
     def loss_name(self) -> str:
         """The loss in force now (`loss.schedule` may switch it part-way through training)."""
         trainer = self._trainer
@@ -152,7 +191,7 @@ class MTPHeadsModule(L.LightningModule):
         return self.loss_cfg.name_at(self.global_step, max_steps) if max_steps else self.loss_cfg.name
 
     def heads_zero(self) -> torch.Tensor:
-        return sum(p.sum() * 0.0 for p in self.heads.parameters())
+        return sum(p.sum() * 0.0 for p in self.parameters())
 
     @torch.no_grad()
     def _log_metrics(self, split, out, logits, teacher, targets, bb_top, valid) -> None:
@@ -241,8 +280,13 @@ class MTPHeadsModule(L.LightningModule):
     def param_groups(self) -> list[dict]:
         """AdamW groups: weight decay on matrices only; norms' gains and biases (1-D) go undecayed."""
         params = [p for p in self.heads.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train_cfg.weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train_cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        if self.adapters is not None:  # LoRA's A and B matrices, at backbone.lora.lr (default train.lr)
+            lr = self.lora_cfg.lr or self.train_cfg.lr
+            groups.append({"params": [p for p in self.adapters.parameters() if p.requires_grad],
+                           "weight_decay": self.train_cfg.weight_decay, "lr": lr})
+        return groups
 
     def configure_optimizers(self):
         groups = [g for g in self.param_groups() if g["params"]]

@@ -76,7 +76,8 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
              if k not in ("num_workers", "use_cache") and LATER_KEYS["train"].get(k, ...) != v}
     heads = {k: v for k, v in structured(cfg.heads).items() if LATER_KEYS["heads"].get(k, ...) != v}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
-    recipe = config_hash({"backbone": backbone_identity(cfg.backbone), "data": data,
+    lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
+    recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
                           "max_length": layout.max_length(cfg),
                           "heads": heads, "loss": structured(cfg.loss), "train": train,
                           "seed": cfg.seed})
@@ -101,7 +102,8 @@ def supersede(run_dir: Path, old_recipe: str) -> Path:
     <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing."""
     dest = run_dir / layout.SUPERSEDED / old_recipe
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (layout.CHECKPOINTS, HEADS_FILE, HEADS_META, TREE_STATS, layout.RUN_META, layout.CSV_LOGS):
+    for name in (layout.CHECKPOINTS, HEADS_FILE, HEADS_META, layout.ADAPTER_DIR, TREE_STATS, layout.RUN_META,
+                 layout.CSV_LOGS):
         src = run_dir / name
         if src.exists():
             target = dest / name
@@ -220,6 +222,7 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
     state = heads_state_dict(heads)
     check_finite(state, f"{run_dir / HEADS_FILE}: not written, training diverged (lower train.lr or "
                         "check the data)")
+    adapter = save_adapters_of(run_dir, backbone, cfg)  # before heads.json, which marks the run finished
     tmp = run_dir / (HEADS_FILE + ".tmp")
     save_file(state, str(tmp))
     os.replace(tmp, run_dir / HEADS_FILE)
@@ -233,10 +236,26 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
         "train": OmegaConf.to_container(OmegaConf.structured(cfg.train)),
         "metrics": metrics,
         "recipe": recipe,
+        "adapter": adapter,
         "run": {"slurm_job_id": os.environ.get("SLURM_JOB_ID"), "host": platform.node(),
                 "world_size": world_size, "elapsed_s": elapsed_s},
     })
     return run_dir / HEADS_FILE
+
+
+def save_adapters_of(run_dir: Path, backbone, cfg: Config) -> dict | None:
+    """With backbone.lora: the trained adapters as a PEFT adapter directory beside the heads, and what
+    heads.json records of them (folder, weights' sha256, settings); None without."""
+    from mtp_train.adapters import WEIGHTS_FILE, has_adapters, save_adapter
+    from mtp_train.artifacts import file_sha256
+
+    if not cfg.backbone.lora.enabled or not has_adapters(backbone.model):
+        return None
+    b = cfg.backbone
+    base = b.converted_dir if b.source == "gguf" else b.path
+    out = save_adapter(backbone.model, run_dir / layout.ADAPTER_DIR, base_model=base)
+    return {"dir": layout.ADAPTER_DIR, "sha256": file_sha256(out / WEIGHTS_FILE),
+            "lora": OmegaConf.to_container(OmegaConf.structured(b.lora))}
 
 
 def record_tree_stats(run_dir: Path, module, trainer, dm, meta: dict) -> dict:
@@ -254,9 +273,10 @@ def record_tree_stats(run_dir: Path, module, trainer, dm, meta: dict) -> dict:
     return meta["metrics"]
 
 
-def gathered(heads, trainer):
-    """A context in which every rank holds the heads' full parameters: under ZeRO stage 3 they are
-    partitioned across ranks and must be gathered (by all ranks together) before saving."""
+def gathered(module, trainer):
+    """A context in which every rank holds the full parameters of what trains (heads, and adapters
+    with backbone.lora): under ZeRO stage 3 they are partitioned across ranks and must be gathered
+    (by all ranks together) before saving."""
     import contextlib
 
     from mtp_train.distributed import zero_config
@@ -264,7 +284,7 @@ def gathered(heads, trainer):
     if zero_config(trainer.strategy).get("stage") == 3:
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None)
+        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
     return contextlib.nullcontext()
 
 
@@ -336,17 +356,25 @@ def _run_train(cfg: Config) -> dict:
 
         heads = load_heads(run_dir, backbone)[0].train()
     n = count_parameters(heads)
-    log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen)", cfg.heads.type,
-             cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()):,}")
+    lora = sum(p.numel() for p in backbone.model.parameters() if p.requires_grad)
+    log.info("heads: %s, k=%d, %s trainable parameters (backbone %s, frozen%s)", cfg.heads.type,
+             cfg.heads.k, f"{n['trainable']:,}", f"{sum(p.numel() for p in backbone.model.parameters()) - lora:,}",
+             f"; LoRA adapters {lora:,}, trained with the heads" if lora else "")
     pad = backbone.tokenizer.pad_token_id
-    cache = open_cache(cfg, backbone)
+    cache = None
+    if cfg.backbone.lora.enabled:
+        if cfg.train.use_cache:
+            log.info("backbone.lora.enabled: the backbone runs live (its adapters train, so its states change "
+                     "every step); the hidden-state cache is not used")
+    else:
+        cache = open_cache(cfg, backbone)
     dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
                        max_length, cfg.train.num_workers, cfg.seed, cache=cache,
                        data_fraction=cfg.train.data_fraction, k=cfg.heads.k,
                        length_window=cfg.train.length_window)
     if cfg.heads.init == "final_state" and done is None and not layout.last_checkpoint(run_dir).exists():
         fit_fc_to_final_state(heads, dm, backbone)
-    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train, cfg.backbone.lora)
     ckpt_dir = run_dir / layout.CHECKPOINTS
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
@@ -375,7 +403,7 @@ def _run_train(cfg: Config) -> dict:
     with resume_loads_weights_only(last if resuming else None) as extra:
         trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
-    with gathered(heads, trainer):
+    with gathered(module, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
             path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size,
                               elapsed_s=round(time.time() - t0, 1),

@@ -1,0 +1,237 @@
+"""Joint training with LoRA adapters (backbone.lora): what trains, what is saved, exact resume, the
+distillation term, and decoding against the adapted backbone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mtp_train.adapters import adapters_disabled, lora_layers
+from mtp_train.config import BackboneConfig, LoraConfig
+from mtp_train.errors import MtpError
+from tests.helpers import run_train
+from tests.test_train import FAST
+
+LORA = ["backbone.lora.enabled=true", "backbone.lora.r=4", "backbone.lora.alpha=8",
+        "backbone.lora.target_modules=[q_proj,v_proj,o_proj]"]
+
+
+def lora_backbone(seed: int = 0, scale: float = 0.0, **lora):
+    """The tiny backbone with LoRA adapters; `scale` > 0 gives every B matrix random values (the
+    adapters then change the model), 0 keeps peft's zero init."""
+    from mtp_train.backbone import load_backbone
+
+    bb = load_backbone(BackboneConfig(name="tiny-llama", source="tiny",
+                                      lora=LoraConfig(enabled=True, r=4, alpha=8, **lora)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora_layers(bb.model):
+            b = layer.lora_B["default"].weight
+            b.copy_(torch.randn(b.shape, generator=g) * scale)
+    return bb
+
+
+def slow_kl(logits, reference, mask):
+    """KL(softmax(reference) || softmax(logits)) per masked position, one position at a time."""
+    vals = []
+    for b in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            if mask[b, t]:
+                p = torch.softmax(reference[b, t].double(), -1)
+                q = torch.softmax(logits[b, t].double(), -1)
+                vals.append(sum(float(p[v] * (torch.log(p[v]) - torch.log(q[v]))) for v in range(p.numel())))
+    return sum(vals) / len(vals)
+
+
+def test_the_distillation_term_against_a_slow_reference():
+    from mtp_train.losses import backbone_distill_loss
+
+    g = torch.Generator().manual_seed(1)
+    logits, reference = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]])
+    got = backbone_distill_loss(logits, reference, mask)
+    assert float(got) == pytest.approx(slow_kl(logits, reference, mask), rel=1e-5)
+    logits.requires_grad_(True)
+    backbone_distill_loss(logits, reference, mask).backward()
+    assert logits.grad[0, 2].abs().sum() == 0 and logits.grad[0, 0].abs().sum() > 0  # masked out: no gradient
+    assert float(backbone_distill_loss(reference, reference, mask)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_the_distillation_term_is_zero_with_zero_adapters_and_not_otherwise():
+    from mtp_train.config import LossConfig, TrainConfig
+    from mtp_train.heads.medusa import MedusaHeads
+    from mtp_train.lit.module import MTPHeadsModule
+
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    for scale, zero in ((0.0, True), (0.5, False)):
+        bb = lora_backbone(scale=scale)
+        heads = MedusaHeads(bb.hidden_size, bb.vocab_size, 2, 1)
+        module = MTPHeadsModule(bb, heads, LossConfig(), TrainConfig(), LoraConfig(enabled=True, r=4, alpha=8))
+        logits = bb.logits(bb.hidden_states(ids, attn))
+        term = float(module._distill_term(ids, attn, logits).detach())
+        assert (term == 0.0) if zero else (term > 1e-4), (scale, term)
+        if not zero:  # it is the KL to the same weights with the adapters bypassed
+            with torch.no_grad(), adapters_disabled(bb.model):
+                original = bb.logits(bb.hidden_states(ids, attn))
+            assert term == pytest.approx(slow_kl(logits.detach(), original, attn), rel=1e-4)
+        # the adapters are back on, and still trainable, after the bypass
+        assert all(p.requires_grad for n, p in bb.model.named_parameters() if "lora_" in n)
+        assert torch.equal(bb.logits(bb.hidden_states(ids, attn)), logits)
+
+
+def test_lora_training_moves_the_adapters_not_the_base_weights_and_saves_heads_and_adapters(
+        typed_cfg, tmp_path, monkeypatch):
+    import mtp_train.backbone as backbone_mod
+
+    used = []
+    real_load = backbone_mod.load_backbone
+
+    def spying_load(bcfg):
+        bb = real_load(bcfg)
+        used.append((bb, {n: p.detach().clone() for n, p in bb.model.named_parameters()}))
+        return bb
+
+    monkeypatch.setattr(backbone_mod, "load_backbone", spying_load)
+    metrics = run_train(typed_cfg(*FAST, *LORA, "heads=chained", "heads.k=2", "loss=kl", "train.lr=1e-2"))
+    assert metrics["val/loss_distill"] > 0  # the adapters moved the backbone, and the term says how far
+    run = tmp_path / "out"
+    bb, before = used[-1]  # the one training used
+    after = dict(bb.model.named_parameters())
+    base = [n for n in after if "lora_" not in n]
+    lora_b = [n for n in after if "lora_B" in n]
+    assert len(lora_b) == 2 * 3  # 2 layers x q, v, o
+    assert all(torch.equal(after[n], before[n]) for n in base)  # the base weights are bit-identical
+    assert all(not torch.equal(after[n], before[n]) for n in lora_b)  # every adapter trained
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    heads = load_file(str(run / "heads.safetensors"))
+    saved = set(ckpt["state_dict"])
+    assert {f"heads.{k}" for k in heads} <= saved
+    rest = saved - {f"heads.{k}" for k in heads}
+    assert rest and all(k.startswith("adapters.") and ".lora_" in k for k in rest)  # no base weight
+    assert len(rest) == 4 * 3
+    meta = json.loads((run / "heads.json").read_text())
+    assert meta["adapter"]["dir"] == "adapter" and meta["adapter"]["lora"]["r"] == 4
+    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == 12 and all(k.startswith("base_model.model.model.layers.") for k in adapter)
+    cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and sorted(cfg["target_modules"]) == [
+        "o_proj", "q_proj", "v_proj"]
+    name = "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"
+    assert torch.equal(adapter[name], after["model.layers.1.self_attn.o_proj.lora_B.default.weight"])
+
+
+def test_peft_loads_the_saved_adapter_as_the_trained_backbone(typed_cfg, tmp_path):
+    """The adapter directory is PEFT's own format: PeftModel.from_pretrained on the original backbone
+    computes what the adapted backbone computes."""
+    from peft import PeftModel
+
+    from mtp_train.backbone import build_tiny, load_backbone
+    from mtp_train.heads import load_heads
+
+    cfg = typed_cfg(*FAST, *LORA, "heads=medusa", "heads.k=2", "train.lr=1e-2")
+    run_train(cfg)
+    bb = load_backbone(BackboneConfig(name="tiny-llama", source="tiny"))
+    load_heads(tmp_path / "out", bb)  # brings the adapters
+    assert bb.adapter and lora_layers(bb.model)
+    plain, _ = build_tiny(cfg.backbone.tiny)
+    peft_model = PeftModel.from_pretrained(plain, str(tmp_path / "out" / "adapter")).eval()
+    ids = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = bb.model(ids).logits, peft_model(ids).logits
+        with adapters_disabled(bb.model):
+            original = bb.model(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - original).abs().max() > 1e-4  # the adapters trained away from zero
+
+
+def test_resume_with_lora_is_exact(typed_cfg, tmp_path, monkeypatch):
+    from mtp_train.lit.module import MTPHeadsModule
+
+    common = [*FAST, *LORA, "heads=chained", "heads.k=2", "loss=kl", "trainer.max_steps=6",
+              "train.batch_size=8", "train.warmup_steps=2", "data.distill.max_train_prompts=40",
+              "trainer.val_check_interval=3", "train.lr=1e-2"]
+    run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/straight"))
+
+    class Killed(Exception):
+        pass
+
+    real_step = MTPHeadsModule.training_step
+
+    def dying_step(self, batch, batch_idx):  # dies at step 4, after the step-3 checkpoint
+        if self.global_step == 4:
+            raise Killed
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(MTPHeadsModule, "training_step", dying_step)
+    with pytest.raises(Killed):
+        run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
+    monkeypatch.setattr(MTPHeadsModule, "training_step", real_step)
+    run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
+    for name in ("heads.safetensors", "adapter/adapter_model.safetensors"):
+        straight, resumed = (load_file(str(tmp_path / d / name)) for d in ("straight", "resumed"))
+        assert straight.keys() == resumed.keys()
+        for k in straight:
+            torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-6, msg=f"{name}: {k}")
+
+
+@pytest.mark.parametrize("heads_type", ["medusa", "chained", "eagle3"])
+def test_decoding_with_adapters_equals_a_greedy_loop_of_the_adapted_model(heads_type):
+    from mtp_train.config import HeadsConfig
+    from mtp_train.decoding import Decoder
+    from mtp_train.heads import build_heads
+
+    bb = lora_backbone(seed=2, scale=0.3)
+    torch.manual_seed(0)
+    cfg = HeadsConfig(type=heads_type, k=3, aux_layers=[0, 1] if heads_type == "eagle3" else None)
+    heads = build_heads(cfg, bb).eval()
+    prompt = torch.randint(0, 200, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def greedy_loop(n: int) -> list[int]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(bb.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    want = greedy_loop(24)
+    dec = Decoder(bb, heads, eos_ids=[-1])
+    for mode in ("greedy", "verify"):
+        assert dec.generate(prompt, 24, mode).tokens == want, mode
+    with adapters_disabled(bb.model):
+        original = greedy_loop(24)
+    assert original != want  # the adapters change what the backbone says: the check has teeth
+
+
+@pytest.mark.bad_input
+def test_heads_whose_adapters_are_missing_or_changed_are_refused(typed_cfg, tmp_path):
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads import load_heads
+
+    run_train(typed_cfg(*FAST, *LORA, "heads=medusa", "heads.k=2", "train.lr=1e-2"))
+    run = tmp_path / "out"
+    weights = run / "adapter" / "adapter_model.safetensors"
+    fresh = lambda: load_backbone(BackboneConfig(name="tiny-llama", source="tiny"))  # noqa: E731
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-8] + bytes(8))
+    with pytest.raises(MtpError, match="not the adapters these heads were trained with"):
+        load_heads(run, fresh())
+    weights.unlink()
+    with pytest.raises(MtpError, match="trained with LoRA adapters, but .*adapter_model.safetensors is missing"):
+        load_heads(run, fresh())
+
+
+def test_with_lora_the_backbone_runs_live_and_says_so_when_the_cache_was_asked(typed_cfg, caplog, monkeypatch):
+    import logging
+
+    import mtp_train.pipeline.training as training
+
+    opened = []
+    monkeypatch.setattr(training, "open_cache", lambda *a, **k: opened.append(1))
+    with caplog.at_level(logging.INFO):
+        run_train(typed_cfg(*FAST, *LORA, "heads=medusa", "heads.k=2", "train.use_cache=true"))
+    assert not opened
+    assert "the hidden-state cache is not used" in caplog.text
