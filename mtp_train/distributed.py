@@ -235,11 +235,12 @@ def zero_state_dict(checkpoint: Path) -> dict:
         raise MtpError(f"{checkpoint}: not a DeepSpeed ZeRO checkpoint ({e})") from e
 
 
-def heads_from_module_state(state: dict) -> dict:
-    """The heads' tensors out of a LightningModule state dict, whatever wrapper prefix it carries."""
-    out = {}
+def heads_from_module_state(state: dict, part: str = "heads") -> dict:
+    """The heads' tensors (or, with part="adapters", the LoRA adapters') out of a LightningModule
+    state dict, whatever wrapper prefix it carries."""
+    out, key = {}, part + "."
     for name, t in state.items():
-        i = name.find("heads.")
+        i = name.find(key)
         if i >= 0 and (i == 0 or name[i - 1] == "."):
-            out[name[i + len("heads."):]] = t
+            out[name[i + len(key):]] = t
     return out

@@ -214,6 +214,38 @@ def hf_generate(backbone, prompt: list[int], max_new_tokens: int, eos: list[int]
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0
 
 
+def backbone_drift(backbone, prompts: list[list[int]], eos: list[int], max_new_tokens: int) -> dict:
+    """How far LoRA adapters moved the backbone, on the evaluation's prompts: the adapted and the
+    original model's greedy answers (HF generate, untimed) compared token by token, and the NLL the
+    original gives each. `greedy_match_rate`: answers identical; `prefix_match`: mean fraction of
+    the original's answer reproduced before the first difference; `nll_increase`: the original's
+    NLL on the adapted answers minus on its own."""
+    from tqdm.auto import tqdm
+
+    from mtp_train.adapters import adapters_disabled
+
+    bar = tqdm(total=2 * len(prompts), desc="backbone drift", unit="prompt", dynamic_ncols=True)
+    adapted = []
+    for p in prompts:
+        adapted.append(hf_generate(backbone, p, max_new_tokens, eos)[0])
+        bar.update(1)
+    with adapters_disabled(backbone.model):
+        original = []
+        for p in prompts:
+            original.append(hf_generate(backbone, p, max_new_tokens, eos)[0])
+            bar.update(1)
+        nll_adapted = [backbone_nll(backbone, p, o) for p, o in zip(prompts, adapted, strict=True)]
+        nll_original = [backbone_nll(backbone, p, o) for p, o in zip(prompts, original, strict=True)]
+    bar.close()
+    div = [first_divergence(a, o) for a, o in zip(adapted, original, strict=True)]
+    prefix = [(len(o) if d is None else d) / max(1, len(o)) for d, o in zip(div, original, strict=True)]
+    n = len(prompts)
+    return {"n_prompts": n, "greedy_match_rate": sum(d is None for d in div) / n,
+            "prefix_match": sum(prefix) / n,
+            "original_nll_on_adapted": sum(nll_adapted) / n, "original_nll_on_original": sum(nll_original) / n,
+            "nll_increase": (sum(nll_adapted) - sum(nll_original)) / n}
+
+
 def summarise(name: str, outputs: list[list[int]], results: list, seconds, hf_seconds,
               greedy: list[list[int]] | None, nll: list[float], k: int,
               round_tokens: list[int] | None = None) -> tuple[dict, dict]:
@@ -580,6 +612,12 @@ def print_table(report: dict) -> None:
     if not console.is_terminal:  # a log file: room for the spread, not rich's 80-column default
         console = Console(width=max(console.width, 120))
     console.print(t)
+    if adapted := report.get("backbone_adapted"):
+        d = adapted["drift"]
+        console.print(f"verified against the LoRA-adapted backbone ({adapted['adapter']}); against the original: "
+                      f"greedy answers identical {d['greedy_match_rate']:.2f}, prefix kept {d['prefix_match']:.2f}, "
+                      f"the original's NLL {d['original_nll_on_adapted']:.3f} on the adapted answers vs "
+                      f"{d['original_nll_on_original']:.3f} on its own", highlight=False, soft_wrap=True)
     if report.get("rounds", 1) > 1:
         console.print(f"speedup: median of {report['rounds']} timing rounds (min-max in brackets)")
     for line in report.get("flags") or []:

@@ -235,3 +235,129 @@ def test_with_lora_the_backbone_runs_live_and_says_so_when_the_cache_was_asked(t
         run_train(typed_cfg(*FAST, *LORA, "heads=medusa", "heads.k=2", "train.use_cache=true"))
     assert not opened
     assert "the hidden-state cache is not used" in caplog.text
+
+
+def test_backbone_drift_against_greedy_loops_of_the_adapted_and_the_original_model():
+    from mtp_train.backbone import build_tiny
+    from mtp_train.config import TinyBackboneConfig
+    from mtp_train.evaluate import backbone_drift, backbone_nll
+
+    bb = lora_backbone(seed=4, scale=0.3)
+    plain, _ = build_tiny(TinyBackboneConfig())  # the original weights, built anew: no adapter anywhere
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (5, 8, 11)]
+
+    def loop(model, prompt, n=10):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    drift = backbone_drift(bb, prompts, eos=[-1], max_new_tokens=10)
+    adapted = [loop(bb.model, p) for p in prompts]
+    original = [loop(plain, p) for p in prompts]
+    same = [a == o for a, o in zip(adapted, original, strict=True)]
+    assert drift["greedy_match_rate"] == pytest.approx(sum(same) / 3) and not all(same)
+    prefix = []
+    for a, o in zip(adapted, original, strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(a, o, strict=True)) if x != y), len(o))
+        prefix.append(k / len(o))
+    assert drift["prefix_match"] == pytest.approx(sum(prefix) / 3)
+    from mtp_train.backbone import Backbone
+
+    ref = Backbone(model=plain, tokenizer=bb.tokenizer, name="plain")
+    nll_a = sum(backbone_nll(ref, p, a) for p, a in zip(prompts, adapted, strict=True)) / 3
+    nll_o = sum(backbone_nll(ref, p, o) for p, o in zip(prompts, original, strict=True)) / 3
+    assert drift["original_nll_on_adapted"] == pytest.approx(nll_a, rel=1e-4)
+    assert drift["original_nll_on_original"] == pytest.approx(nll_o, rel=1e-4)
+    assert drift["nll_increase"] == pytest.approx(nll_a - nll_o, abs=1e-4) and nll_a > nll_o
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.config import validate
+    from mtp_train.entry import CONF_DIR
+
+    root = tmp_path_factory.mktemp("lora")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(compose("config", overrides=[f"paths.root_dir={root}", f"paths.output_dir={root}/train",
+                                                    *FAST, *LORA, "heads=medusa", "heads.k=2", "train.lr=2e-2",
+                                                    "trainer.max_steps=8"]))
+    run_train(cfg)
+    return root
+
+
+def test_eval_of_lora_heads_verifies_against_the_adapted_backbone_and_reports_its_drift(lora_run):
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.config import validate
+    from mtp_train.entry import CONF_DIR
+    from tests.helpers import run_eval
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(compose("config", overrides=[
+            f"paths.root_dir={lora_run}", f"paths.output_dir={lora_run}/eval", *FAST, "heads=medusa",
+            "eval.n_prompts=3", "eval.max_new_tokens=12", "eval.rounds=1", f"eval.heads={lora_run}/train",
+            "eval.modes=[greedy,verify]"]))
+    report = run_eval(cfg)
+    adapted = report["backbone_adapted"]
+    assert adapted["adapter"].endswith("adapter") and adapted["merged_layers"] == 6
+    d = adapted["drift"]
+    assert d["n_prompts"] == 3 and 0 <= d["greedy_match_rate"] <= d["prefix_match"] + 1e-9 <= 1 + 1e-9
+    assert report["modes"]["verify"]["identical_to_greedy"] is True
+    saved = json.loads((lora_run / "eval" / "eval_report.json").read_text())
+    assert saved["backbone_adapted"]["drift"] == d
+
+
+def test_exports_carry_the_adapters(lora_run, tmp_path):
+    """native from the checkpoint: the same PEFT adapter; medusa for vLLM: the adapted backbone,
+    merged, named as the one to serve with, computing what the adapted backbone computes."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads import load_heads
+    from mtp_train.pipeline.export import export_heads
+    from mtp_train.pipeline.serving import export_for_engine
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run / "train", run)
+    trained = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    shutil.rmtree(run / "adapter")
+    export_heads(run)  # from checkpoints/last.ckpt
+    again = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert again.keys() == trained.keys() and all(torch.equal(again[k], trained[k]) for k in trained)
+
+    out = export_for_engine(run, "medusa", tmp_path / "served")
+    serving = json.loads((out / "mtp_serving.json").read_text())
+    assert serving["backbone"] == str((out / "target").resolve()) and serving["lora_adapter"]
+    target = AutoModelForCausalLM.from_pretrained(out / "target").eval()
+    assert not any("lora" in n for n in target.state_dict())
+    bb = load_backbone(BackboneConfig(name="tiny-llama", source="tiny"))
+    load_heads(run, bb)
+    ids = torch.randint(0, 200, (1, 14), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(target(ids).logits, bb.model(ids).logits, rtol=1e-4, atol=1e-4)
+        with adapters_disabled(bb.model):
+            assert (target(ids).logits - bb.model(ids).logits).abs().max() > 1e-4
+
+
+@pytest.mark.bad_input
+def test_clp_labels_from_the_original_backbones_cache_are_refused_for_lora_heads(lora_run):
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.config import validate
+    from mtp_train.entry import CONF_DIR
+    from mtp_train.errors import ConfigError
+    from mtp_train.pipeline.clp_run import run_clp
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(compose("config", overrides=[
+            f"paths.root_dir={lora_run}", f"paths.output_dir={lora_run}/clp", *FAST, "heads=medusa",
+            f"clp.heads={lora_run}/train", "clp.label_source=cache"]))
+    with pytest.raises(ConfigError, match="trained with LoRA adapters and draft for the adapted one"):
+        run_clp(cfg)

@@ -24,6 +24,10 @@ def _setup(cfg: Config):
         raise ConfigError("clp.heads: set it to an mtp-train run directory (heads.safetensors + heads.json)")
     backbone = load_backbone(cfg.backbone)
     heads, meta = load_heads(cfg.clp.heads, backbone, cfg.backbone.allow_foreign_heads)
+    if backbone.adapter:  # heads trained with LoRA adapters: label and calibrate on the adapted model
+        from mtp_train.adapters import merge_adapters
+
+        merge_adapters(backbone.model)
     return backbone, heads, Decoder(backbone, heads, eos_ids=eos_ids(backbone.model, backbone.tokenizer))
 
 
@@ -55,6 +59,10 @@ def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
 
     source = cfg.clp.label_source
     split = cfg.clp.label_split
+    if backbone.adapter and source == "cache":
+        raise ConfigError(f"clp.label_source: 'cache' holds the original backbone's states, but the heads of "
+                          f"{cfg.clp.heads} were trained with LoRA adapters and draft for the adapted one; "
+                          "use clp.label_source=decode (or auto)")
     found = (distilled_cache(cfg, backbone, split, getattr(heads, "aux_layers", None))
              if source in ("auto", "cache") else None)
     if source == "cache" and found is None:

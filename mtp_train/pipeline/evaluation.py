@@ -123,6 +123,27 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
     return out
 
 
+def adapted_backbone(backbone, prompts: list[list[int]], cfg: Config) -> dict | None:
+    """With heads trained jointly with LoRA adapters (load_heads gave the backbone their adapters):
+    the backbone's drift from the original on these prompts, measured first; then the adapters are
+    merged into the weights, so decoding and HF generate both run the adapted model at full speed.
+    None when the backbone carries no adapters."""
+    from mtp_train.adapters import has_adapters, merge_adapters
+    from mtp_train.backbone import eos_ids
+    from mtp_train.evaluate import backbone_drift
+
+    if not has_adapters(backbone.model):
+        return None
+    log.info("the heads were trained with LoRA adapters: decoding verifies against the adapted backbone; "
+             "measuring its drift from the original first (greedy answers of both, untimed)")
+    drift = backbone_drift(backbone, prompts, eos_ids(backbone.model, backbone.tokenizer), cfg.eval.max_new_tokens)
+    merged = merge_adapters(backbone.model)
+    log.info("drift: greedy answers identical %.2f, prefix kept %.2f, the original's NLL +%.3f on the adapted "
+             "answers; %d adapters merged into the weights", drift["greedy_match_rate"], drift["prefix_match"],
+             drift["nll_increase"], merged)
+    return {"adapter": backbone.adapter, "merged_layers": merged, "drift": drift}
+
+
 def load_tree_stats(cfg: Config):
     """The heads' rank statistics (tree_stats.json, written by mtp-train), which static trees and the
     adaptive policies grow from; required by mode tree."""
@@ -140,6 +161,7 @@ def load_tree_stats(cfg: Config):
 def eval_key(cfg: Config) -> str:
     """What an evaluation depends on: every eval setting, the backbone, the prompts' source and the
     exact weights of the heads and predictors (and the predictors' calibrated thresholds)."""
+    from mtp_train.adapters import WEIGHTS_FILE
     from mtp_train.artifacts import config_hash, file_sha256, read_manifest
     from mtp_train.backbone import backbone_identity
     from mtp_train.evaluate import cpu_model
@@ -149,6 +171,7 @@ def eval_key(cfg: Config) -> str:
         return file_sha256(path) if path and Path(path).is_file() else None
 
     e = OmegaConf.to_container(OmegaConf.structured(cfg.eval))
+    adapter = sha(Path(cfg.eval.heads) / layout.ADAPTER_DIR / WEIGHTS_FILE) if cfg.eval.heads else None
     predictors = {name: [sha(Path(d) / CLP_FILE), sha(Path(d) / CLP_META)] if d else None
                   for name, d in (("clp", cfg.eval.clp), ("gate", cfg.eval.gate))}
     prompts = sha(cfg.eval.prompts) if cfg.eval.prompts else \
@@ -164,6 +187,7 @@ def eval_key(cfg: Config) -> str:
         "prompt_source": "file" if cfg.eval.prompts else cfg.eval.prompt_source, "prompts": prompts,
         "heads": sha(Path(cfg.eval.heads) / HEADS_FILE) if cfg.eval.heads else None,
         "tree_stats": sha(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None,
+        **({"adapter": adapter} if adapter else {}),  # heads trained with LoRA adapters
         "machine": cpu_model(),
         "predictors": predictors})
 
@@ -223,6 +247,7 @@ def _run_eval(cfg: Config) -> dict:
     log.info("decoding (and HF generate) in %s (eval.dtype=%s)", dtype, cfg.eval.dtype)
     policies = load_span_policies(cfg, backbone, heads)
     prompts, skipped = select_prompts(cfg, backbone)
+    adapted = adapted_backbone(backbone, prompts, cfg) if heads is not None else None
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
@@ -235,6 +260,8 @@ def _run_eval(cfg: Config) -> dict:
     best = max(report["hf_dtypes"].values())
     for m in report["modes"].values():  # same-dtype speedup x (this dtype's HF / the faster HF)
         m["speedup_vs_best_hf"] = m["speedup_vs_hf"] * report["hf_dtypes"][here] / best if best else None
+    if adapted:
+        report["backbone_adapted"] = adapted
     report["predictors"] = {m: {"parameters": p.parameters, "threshold": p.threshold, "calibrated": p.calibrated}
                             for m, p in policies.items()}
     report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,

@@ -106,6 +106,8 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
         for name, t in heads.state_dict().items():
             if name in wanted:
                 t.copy_(state[name].to(t.dtype))
+    if cfg.backbone.lora.enabled:  # the adapters trained with these heads are in the checkpoint too
+        load_adapters_from(checkpoint, backbone)
     from mtp_train.artifacts import read_json
 
     own = checkpoint.resolve() == (layout.last_checkpoint(run_dir)).resolve()
@@ -121,3 +123,19 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics, recipe=meta.get("recipe"))
     log.info("heads written to %s", path)
     return path
+
+
+def load_adapters_from(checkpoint: Path, backbone) -> None:
+    """Give the backbone (whose LoRA layers backbone.lora injected) the adapters of a checkpoint."""
+    from mtp_train.adapters import adapter_modules
+    from mtp_train.distributed import heads_from_module_state
+
+    state = heads_from_module_state(checkpoint_state(checkpoint), part="adapters")
+    if not state:
+        raise MtpError(f"{checkpoint}: the recipe trains LoRA adapters (backbone.lora.enabled), but the "
+                       "checkpoint holds none")
+    container = adapter_modules(backbone.model)
+    missing, unexpected = container.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MtpError(f"{checkpoint}: its adapters do not match backbone.lora of the recipe (missing "
+                       f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")

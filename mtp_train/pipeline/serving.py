@@ -12,6 +12,9 @@ with the backbone they were trained against. docs/serving.md says how each engin
   and blocks.{i}.layers.{l}.{weight,bias}, lm_heads.{i}.weight (only lm_heads.0 with
   original_lm_head, the backbone's own head) and token_map for a draft vocabulary.
 
+Heads trained jointly with LoRA adapters draft for the adapted backbone: the export then holds that
+backbone too, the adapters merged into its weights (<out>/target), and names it as the one to serve.
+
 A family a format cannot express is refused with the reason.
 """
 
@@ -30,6 +33,7 @@ from mtp_train.errors import MtpError
 log = logging.getLogger(__name__)
 
 SERVING_FILE = "mtp_serving.json"  # what the export holds, which backbone to serve it with, and how
+TARGET_DIR = "target"  # heads trained with LoRA adapters: the adapted backbone, merged, to serve them with
 WEIGHTS_FILE = "model.safetensors"
 
 # why a family cannot be written in a format (the one-line refusal)
@@ -87,9 +91,17 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     out = Path(out)
     tmp = temp_dir_for(out)
     tmp.mkdir(parents=True)
+    from mtp_train.adapters import has_adapters, merged_backbone
+
     serve_dir = backbone_for_serving(backbone_cfg)
     check_dir = serve_dir
-    if serve_dir is None:  # built in code: saved with the export
+    adapted = has_adapters(backbone.model)
+    if adapted:  # heads trained with LoRA adapters draft for the adapted model: the engine serves it
+        check_dir = tmp / TARGET_DIR
+        merged_backbone(backbone.model).save_pretrained(check_dir, safe_serialization=True)
+        backbone.tokenizer.save_pretrained(check_dir)
+        serve_dir = out.resolve() / TARGET_DIR
+    elif serve_dir is None:  # built in code: saved with the export
         check_dir = tmp / "backbone"
         backbone.model.save_pretrained(check_dir, safe_serialization=True)
         backbone.tokenizer.save_pretrained(check_dir)
@@ -103,6 +115,7 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     (tmp / SERVING_FILE).write_text(json.dumps({
         "format": fmt, "heads": str(Path(source).resolve()) if source else None, "k": heads.k,
         "draft_size": heads.draft_size, "backbone": str(serve_dir), "backbone_fingerprint": backbone.fingerprint(),
+        "lora_adapter": (backbone.adapter or "trained in this process") if adapted else None,
         "serve": serve_commands(fmt, serve_dir, out.resolve(), heads.k), "backbone_notes": notes,
     }, indent=2) + "\n")
     publish_dir(tmp, out)
