@@ -126,3 +126,24 @@ def test_padded_slots_counts_each_batch_at_its_longest_row():
     # batches [0, 1], [2, 3], [4] -> 2 * 5 + 2 * 3 + 1 * 2 slots for 14 real tokens
     assert padded_slots(lengths, [0, 1, 2, 3, 4], 2) == (18, 14)
     assert padded_slots(lengths, [0, 2, 3, 4, 1], 2) == (17, 14)
+
+
+def test_lora_bench_trains_frozen_and_lora_points_and_reports_the_drift(tmp_path, monkeypatch):
+    import lora
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--out", str(tmp_path / "lora"), "--points", "frozen,lora_adamtp",
+            f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "trainer.max_steps=3",
+            "trainer.val_check_interval=3", "trainer.enable_progress_bar=false", "heads.k=2", "train.lr=2e-2",
+            "eval.max_new_tokens=8", "eval.n_prompts=2", "data.distill.max_train_prompts=16",
+            "data.distill.max_val_prompts=4", "data.max_conversations=64"]
+    assert lora.main(args) == 0
+    rows = json.loads((tmp_path / "lora" / "lora.json").read_text())["rows"]
+    assert set(rows) == {"frozen", "lora_adamtp"}
+    assert rows["frozen"]["drift"] is None and rows["frozen"]["loss_distill"] is None
+    d = rows["lora_adamtp"]["drift"]
+    assert d["n_prompts"] == 2 and 0 <= d["prefix_match"] <= 1 and rows["lora_adamtp"]["loss_distill"] > 0
+    assert all(m is not None for m in rows["lora_adamtp"]["masked"])
+    assert all(r["verify_identical_to_greedy"] and r["tree_identical_to_greedy"] for r in rows.values())
+    text = (tmp_path / "lora" / "lora.md").read_text()
+    assert "| frozen |" in text and "| lora_adamtp |" in text and "CPU:" in text

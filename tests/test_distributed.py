@@ -268,6 +268,26 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(single_r
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_ddp_reduces_the_lora_adapters_too(tmp_path):
+    """With backbone.lora the adapters train in every rank; DDP must average their gradients as it
+    does the heads' (they are registered in the LightningModule), or rank 0's adapters would follow
+    its own half of each batch. Control: one process trained on half-size batches, which is what
+    rank 0 alone would learn; DDP's adapters must sit far closer to the full-batch run than that."""
+    lora = ["backbone.lora.enabled=true", "backbone.lora.r=4"]
+    _train(tmp_path, "single", "train.batch_size=4", *lora)
+    _train(tmp_path, "half", "train.batch_size=2", *lora)
+    _train(tmp_path, "ddp", "trainer=ddp", "trainer.devices=2", "train.batch_size=2", *lora)
+
+    def diff(run, name):
+        a, b = (load_file(str(tmp_path / r / name)) for r in ("single", run))
+        assert a.keys() == b.keys()
+        return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+    assert diff("ddp", "heads.safetensors") < 2e-3
+    adapters = "adapter/adapter_model.safetensors"
+    assert diff("ddp", adapters) < 0.25 * diff("half", adapters), (diff("ddp", adapters), diff("half", adapters))
+
+
 def test_export_consolidates_a_zero_checkpoint_made_by_deepspeed(single_run, tmp_path):
     """DeepSpeed (on CPU, DS_ACCELERATOR=cpu) trains one step of these heads under ZeRO-2 and saves
     shards the way Lightning does (tag 'checkpoint', `_forward_module.` prefix); mtp-export-heads

@@ -132,7 +132,7 @@ def adapted_backbone(backbone, prompts: list[list[int]], cfg: Config) -> dict | 
     from mtp_train.backbone import eos_ids
     from mtp_train.evaluate import backbone_drift
 
-    if not has_adapters(backbone.model):
+    if not backbone.adapter or not has_adapters(backbone.model):  # none, or backbone.lora's untrained zeros
         return None
     log.info("the heads were trained with LoRA adapters: decoding verifies against the adapted backbone; "
              "measuring its drift from the original first (greedy answers of both, untimed)")
