@@ -39,6 +39,15 @@ RECIPES = {
     "kl_depth_weights": ["loss=kl", "loss.depth_weights=[1.0,0.8,0.6]"],
     "kl_wsd": ["loss=kl", "train.lr_schedule=wsd"],
     "kl_lr2e-3_wd0.05": ["loss=kl", "train.lr=2e-3", "train.weight_decay=0.05"],
+    # the seed papers' claims (docs/claims.md), on the demo's recipe (KL + top-K, random init)
+    "ce": ["loss=ce", "loss.topk=0"],
+    "kl": ["loss=kl", "loss.topk=0"],
+    "e2e_tv": ["loss=e2e_tv", "loss.topk=0"],
+    "ce_adamtp": ["loss=ce", "loss.topk=0", "loss.adamtp=true"],
+    "kl_adamtp": ["loss=kl", "loss.topk=0", "loss.adamtp=true"],
+    "e2e_tv_adamtp": ["loss=e2e_tv", "loss.topk=0", "loss.adamtp=true"],
+    "k2": ["heads.k=2"],
+    "k4": ["heads.k=4"],
 }
 
 
@@ -69,13 +78,17 @@ def main(argv: list[str]) -> int:
         meta = json.loads((run / layout.HEADS_META).read_text())
         rows.append({"recipe": name, "overrides": RECIPES[name], "sim_tau": metrics["val/sim_tau"],
                      "agree": [metrics.get(f"val/agree_d{j}") for j in range(1, meta["k"] + 1)],
+                     "acc": [metrics.get(f"val/acc_d{j}") for j in range(1, meta["k"] + 1)],
+                     "alpha": [metrics.get(f"val/alpha_d{j}") for j in range(1, meta["k"] + 1)],
                      "train_s": meta["run"]["elapsed_s"], "steps": meta["recipe"]["steps"],
                      "train_tokens": meta["recipe"]["train_tokens"]})
     rows.sort(key=lambda r: -r["sim_tau"])
     lines = [f"{args.steps} steps each on {rows[0]['train_tokens']:,} training tokens",
-             "", "| recipe | overrides | val sim_tau | agree per depth | train wall |", "|---|---|---|---|---|"]
-    lines += [f"| {r['recipe']} | `{' '.join(r['overrides'])}` | {r['sim_tau']:.3f} | "
-              + " / ".join(f"{a:.3f}" for a in r["agree"]) + f" | {r['train_s']:.0f} s |" for r in rows]
+             "", "| recipe | overrides | val sim_tau | agree per depth | accuracy per depth | alpha per depth | train wall |",
+             "|---|---|---|---|---|---|---|"]
+    per_depth = lambda xs: " / ".join("-" if a is None else f"{a:.3f}" for a in xs)  # noqa: E731
+    lines += [f"| {r['recipe']} | `{' '.join(r['overrides'])}` | {r['sim_tau']:.3f} | {per_depth(r['agree'])} | "
+              f"{per_depth(r['acc'])} | {per_depth(r['alpha'])} | {r['train_s']:.0f} s |" for r in rows]
     write_json_atomic(out / "recipes.json", rows)
     (out / "recipes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

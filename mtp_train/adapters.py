@@ -44,12 +44,23 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules))
+    out_head = model.get_output_embeddings()  # before injection (peft may wrap it)
     try:
         inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise MtpError(f"backbone.lora.target_modules: {list(cfg.target_modules)} ({str(e).splitlines()[0]})") from None
+    for name, layer in lora_layers(model):
+        base = layer.get_base_layer()
+        if type(base) is not nn.Linear or base is out_head:
+            # the heads read the LM head's and the embedding's base weights directly
+            raise MtpError(f"backbone.lora.target_modules: {name} is {'the LM head' if base is out_head else type(base).__name__}; "
+                           "adapters go on the transformer layers' linears (q_proj, k_proj, v_proj, o_proj, "
+                           "gate_proj, up_proj, down_proj)")
+        layer.train(model.training)  # peft builds its dropout in training mode; follow the model's
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+        if "lora_" in name and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()  # float32 adapters on a half-precision backbone (as PeftModel does)
     return model
 
 
@@ -70,15 +81,20 @@ def adapter_modules(model: nn.Module) -> nn.ModuleDict | None:
     layers = lora_layers(model)
     if not layers:
         return None
-    return nn.ModuleDict({name.replace(".", "__"): nn.ModuleDict({"lora_A": m.lora_A, "lora_B": m.lora_B})
-                          for name, m in layers})
+    # lora_dropout has no weights: registered so that train() / eval() reach it, checkpoints unchanged
+    return nn.ModuleDict({name.replace(".", "__"): nn.ModuleDict(
+        {"lora_A": m.lora_A, "lora_B": m.lora_B, "lora_dropout": m.lora_dropout}) for name, m in layers})
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
-    """Within the block the backbone computes as the original (adapters bypassed, weights untouched;
-    merged adapters are unmerged by peft first). Their requires_grad flags are restored after."""
+    """Within the block the backbone computes as the original (adapters bypassed, weights untouched).
+    Their requires_grad flags are restored after. Refused once the adapters are merged into the
+    weights: taking them out again would not give the original weights back exactly."""
     layers = [m for _, m in lora_layers(model)]
+    if any(m.merged for m in layers):
+        raise MtpError("the LoRA adapters are merged into the backbone's weights; the original model is "
+                       "no longer in memory (measure against it before merging)")
     flags = [(p, p.requires_grad) for m in layers for d in (m.lora_A, m.lora_B) for p in d.parameters()]
     for m in layers:
         m.enable_adapters(False)
@@ -203,7 +219,7 @@ def attach_run_adapter(run_dir: Path, record: dict, backbone) -> Path:
 
 def merge_adapters(model: nn.Module) -> int:
     """Fold every adapter into its base weight (W + scale * B A) for decoding speed; returns how
-    many layers were merged. `adapters_disabled` still gives the original (peft unmerges)."""
+    many layers were merged. After this the original model is gone (`adapters_disabled` refuses)."""
     layers = [m for _, m in lora_layers(model)]
     for m in layers:
         if not m.merged:

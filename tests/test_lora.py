@@ -361,3 +361,55 @@ def test_clp_labels_from_the_original_backbones_cache_are_refused_for_lora_heads
             f"clp.heads={lora_run}/train", "clp.label_source=cache"]))
     with pytest.raises(ConfigError, match="trained with LoRA adapters and draft for the adapted one"):
         run_clp(cfg)
+
+
+def test_every_adapter_gets_a_gradient_and_its_own_learning_rate_even_without_the_distillation_term():
+    """EAGLE-3 heads read layers' inputs only, so the adapters of the last layer get gradient from the
+    distillation term alone; with distill_weight=0 they must still be in the graph (DDP with
+    find_unused_parameters=false stops otherwise), with a zero gradient."""
+    from mtp_train.config import HeadsConfig, LossConfig, TrainConfig
+    from mtp_train.heads import build_heads
+    from mtp_train.lit.module import MTPHeadsModule
+
+    bb = lora_backbone(scale=0.1)
+    heads = build_heads(HeadsConfig(type="eagle3", k=2, aux_layers=[0, 1]), bb)
+    lora = LoraConfig(enabled=True, r=4, alpha=8, distill_weight=0.0, lr=5e-4)
+    module = MTPHeadsModule(bb, heads, LossConfig(name="kl"), TrainConfig(lr=1e-3), lora)
+    module.log = lambda *a, **k: None  # no Trainer here
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    module.model_step(batch, "train").backward()
+    grads = {n: p.grad for n, p in module.adapters.named_parameters()}
+    assert grads and all(g is not None for g in grads.values())
+    last = [n for n in grads if n.startswith("model__layers__1__") and "lora_A" in n]
+    assert last and all(grads[n].abs().sum() == 0 for n in last)  # layer 1's output is read by nobody
+    assert any(grads[n].abs().sum() > 0 for n in grads if n.startswith("model__layers__0__"))
+    groups = module.param_groups()
+    assert groups[-1]["lr"] == 5e-4 and {id(p) for p in groups[-1]["params"]} == {
+        id(p) for p in module.adapters.parameters()}
+
+
+def test_lora_dropout_follows_train_and_eval_and_adapters_stay_off_embeddings():
+    bb = lora_backbone(dropout=0.5)
+    drops = [m.lora_dropout["default"] for _, m in lora_layers(bb.model)]
+    assert drops and not any(d.training for d in drops)  # a frozen backbone evaluates: no dropout
+    from mtp_train.adapters import adapter_modules
+
+    container = adapter_modules(bb.model)
+    container.train()
+    assert all(d.training for d in drops)
+    container.eval()
+    assert not any(d.training for d in drops)
+    with pytest.raises(MtpError, match="backbone.lora.target_modules: lm_head is the LM head"):
+        lora_backbone(target_modules=["lm_head"])
+
+
+def test_chained_heads_copy_the_original_last_layer_of_a_lora_backbone():
+    from mtp_train.config import HeadsConfig
+    from mtp_train.heads import build_heads
+
+    bb = lora_backbone()
+    heads = build_heads(HeadsConfig(type="chained", k=2, init="copy_last"), bb)
+    q = bb.model.model.layers[-1].self_attn.q_proj.get_base_layer().weight
+    copied = [t for n, t in heads.state_dict().items() if n.endswith("self_attn.q_proj.weight")]
+    assert len(copied) == 2 and all(torch.equal(t, q) for t in copied)

@@ -57,7 +57,10 @@ def one_layer_model(backbone_config, init_from: nn.Module | None = None) -> nn.M
     model = AutoModel.from_config(cfg)
     model.embed_tokens = None  # inputs come as embeddings; the table would waste V x d weights
     if init_from is not None:  # the backbone's base model: copy its last layer and final norm
-        model.layers[0].load_state_dict(init_from.layers[-1].state_dict())
+        # (the original weights: peft's LoRA wrapping renamed them `.base_layer.`; the adapters are not copied)
+        state = {n.replace(".base_layer.", "."): t for n, t in init_from.layers[-1].state_dict().items()
+                 if "lora_" not in n}
+        model.layers[0].load_state_dict(state)
         model.norm.load_state_dict(init_from.norm.state_dict())
     return model
 

@@ -1,8 +1,9 @@
 """LightningModule that trains draft heads on a frozen backbone.
 
 The backbone is held as a plain attribute (a `Backbone` dataclass, not a submodule), so Lightning's
-optimizer, state_dict and checkpoints see only the heads: `heads.heads_state_dict` is the one function
-that decides what a heads file holds. One `model_step` serves training and validation.
+optimizer, state_dict and checkpoints see only the heads, plus, with `backbone.lora`, the backbone's
+LoRA layers (registered as `adapters`), never its base weights: `heads.heads_state_dict` is the one
+function that decides what a heads file holds. One `model_step` serves training and validation.
 
 Logged per depth j (keys `split/name_dj`): loss, acc (argmax == data token), agree (argmax == the
 backbone's own greedy token), alpha (1 - TV), masked (AdaMTP fraction dropped) and `val/sim_tau`:
@@ -102,7 +103,8 @@ class MTPHeadsModule(L.LightningModule):
             hidden, aux = self.backbone.hidden_and_aux(ids, attn, aux_layers)  # (B, T, d), (B, T, n * d)
             full = self.backbone.logits(hidden)  # (B, T, V)
             stats = backbone_stats(full.detach())
-            distill = self._distill_term(ids, attn, full)
+            if self.lora_cfg.distill_weight > 0:
+                distill = self._distill_term(ids, attn, full)
         else:
             with torch.no_grad():
                 hidden, aux = self.backbone.hidden_and_aux(ids, attn, aux_layers)  # (B, T, d), (B, T, n * d)
@@ -147,12 +149,16 @@ class MTPHeadsModule(L.LightningModule):
                      sync_dist=split == "val")
             out = LossOutput(loss=out.loss + self.loss_cfg.topk_weight * extra.loss,
                              per_depth=out.per_depth, alpha=out.alpha)
-        if distill is not None:
-            self.log(f"{split}/loss_distill", distill, on_step=split == "train", on_epoch=True,
-                     sync_dist=split == "val")
-            if self.lora_cfg.distill_weight > 0:
-                out = LossOutput(loss=out.loss + self.lora_cfg.distill_weight * distill,
-                                 per_depth=out.per_depth, alpha=out.alpha)
+        if self.adapters is not None and "hidden" not in batch:
+            # every adapter in the graph, if only with weight 0: an adapter past the last layer the
+            # heads read (EAGLE-3) gets no other gradient without the distillation term, which DDP
+            # (find_unused_parameters=false) would stop on
+            extra = sum(p.sum() for p in self.adapters.parameters()) * 0.0
+            if distill is not None:
+                self.log(f"{split}/loss_distill", distill, on_step=split == "train", on_epoch=True,
+                         sync_dist=split == "val")
+                extra = extra + self.lora_cfg.distill_weight * distill
+            out = LossOutput(loss=out.loss + extra, per_depth=out.per_depth, alpha=out.alpha)
         if not torch.isfinite(out.loss):
             bad = [j + 1 for j in range(self.k) if not torch.isfinite(out.per_depth[j])]
             raise NonFiniteLoss(f"non-finite {name} loss at step {self.global_step} "

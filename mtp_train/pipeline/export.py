@@ -88,7 +88,8 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     recipe = recipe_file(run_dir)
     cfg = load_recipe(run_dir)
     checkpoint = Path(checkpoint) if checkpoint else layout.last_checkpoint(run_dir)
-    state = heads_from_module_state(checkpoint_state(checkpoint))
+    module_state = checkpoint_state(checkpoint)
+    state = heads_from_module_state(module_state)
     if not state:
         raise MtpError(f"{checkpoint}: holds no heads parameters")
     backbone = load_backbone(cfg.backbone)
@@ -107,7 +108,7 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
             if name in wanted:
                 t.copy_(state[name].to(t.dtype))
     if cfg.backbone.lora.enabled:  # the adapters trained with these heads are in the checkpoint too
-        load_adapters_from(checkpoint, backbone)
+        load_adapters_from(module_state, checkpoint, backbone)
     from mtp_train.artifacts import read_json
 
     own = checkpoint.resolve() == (layout.last_checkpoint(run_dir)).resolve()
@@ -125,12 +126,13 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     return path
 
 
-def load_adapters_from(checkpoint: Path, backbone) -> None:
-    """Give the backbone (whose LoRA layers backbone.lora injected) the adapters of a checkpoint."""
+def load_adapters_from(module_state: dict, checkpoint: Path, backbone) -> None:
+    """Give the backbone (whose LoRA layers backbone.lora injected) the adapters of a checkpoint's
+    module state."""
     from mtp_train.adapters import adapter_modules
     from mtp_train.distributed import heads_from_module_state
 
-    state = heads_from_module_state(checkpoint_state(checkpoint), part="adapters")
+    state = heads_from_module_state(module_state, part="adapters")
     if not state:
         raise MtpError(f"{checkpoint}: the recipe trains LoRA adapters (backbone.lora.enabled), but the "
                        "checkpoint holds none")

@@ -115,6 +115,7 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     (tmp / SERVING_FILE).write_text(json.dumps({
         "format": fmt, "heads": str(Path(source).resolve()) if source else None, "k": heads.k,
         "draft_size": heads.draft_size, "backbone": str(serve_dir), "backbone_fingerprint": backbone.fingerprint(),
+        # the fingerprint is always the original weights'; with adapters the target adds them, merged
         "lora_adapter": (backbone.adapter or "trained in this process") if adapted else None,
         "serve": serve_commands(fmt, serve_dir, out.resolve(), heads.k), "backbone_notes": notes,
     }, indent=2) + "\n")
