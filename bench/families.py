@@ -19,15 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return validate(compose("config", overrides=overrides))
+from mtp_train.entry import compose_config as config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,19 +21,15 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from mtp_train import layout
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.entry import compose_config
 
 # the targets at the end of the long run (issue 14)
 TARGETS = {"agree_d1": 0.5, "tree_speedup": 2.0, "clp_speedup": 1.2}
 
 
 def _cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return validate(compose("config", overrides=["logger=csv", *overrides]))
+    return compose_config(["logger=csv", *overrides])
 
 
 def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], source: str = "unseen") -> dict:

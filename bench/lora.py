@@ -21,19 +21,11 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.entry import compose_config as config
 
 POINTS = {"frozen": [], "frozen_adamtp": ["loss.adamtp=true"],
           "lora": ["backbone.lora.enabled=true"],
           "lora_adamtp": ["backbone.lora.enabled=true", "loss.adamtp=true"]}
-
-
-def config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return validate(compose("config", overrides=overrides))
 
 
 def run_point(name: str, base: list[str], out: Path) -> dict:

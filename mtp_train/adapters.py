@@ -139,18 +139,10 @@ def save_adapter(model: nn.Module, out: Path, base_model: str | None = None) -> 
 def read_adapter(adapter_dir: Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """The LoRA settings and weights of a PEFT adapter directory (safetensors only), refused with the
     file's name when either is missing, damaged or not LoRA."""
-    from safetensors.torch import load_file
+    from mtp_train.artifacts import load_weights, read_weights_meta
 
-    from mtp_train.artifacts import check_finite
-
-    d = Path(adapter_dir)
-    cfg_file, weights = d / CONFIG_FILE, d / WEIGHTS_FILE
-    if not cfg_file.is_file() or not weights.is_file():
-        raise MtpError(f"{d}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (a PEFT adapter written by mtp-train)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise MtpError(f"{cfg_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    raw, cfg_file, weights = read_weights_meta(Path(adapter_dir), CONFIG_FILE, WEIGHTS_FILE,
+                                               "a PEFT adapter written by mtp-train")
     if raw.get("peft_type") not in ("LORA", None):
         raise MtpError(f"{cfg_file}: peft_type {raw.get('peft_type')!r}; only LoRA adapters are supported")
     try:
@@ -159,12 +151,7 @@ def read_adapter(adapter_dir: Path) -> tuple[LoraConfig, dict[str, torch.Tensor]
                          target_modules=sorted(raw["target_modules"]))
     except (KeyError, TypeError, ValueError) as e:
         raise MtpError(f"{cfg_file}: not a usable LoRA config ({e})") from None
-    try:
-        state = load_file(str(weights))
-    except Exception as e:  # safetensors reports truncation and bad headers as several error types
-        raise MtpError(f"{weights}: not a readable safetensors file ({e})") from None
-    check_finite(state, str(weights))
-    return cfg, state
+    return cfg, load_weights(weights)
 
 
 def attach_adapter(model: nn.Module, adapter_dir: Path) -> LoraConfig:

@@ -47,6 +47,33 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def read_weights_meta(directory: Path, meta_name: str, weights_name: str, written_by: str
+                      ) -> tuple[dict, Path, Path]:
+    """(the parsed JSON, its path, the weights' path) of a directory holding a JSON record beside a
+    safetensors file, refused naming the file when either is missing or the JSON is damaged."""
+    d = Path(directory)
+    meta_file, weights = d / meta_name, d / weights_name
+    if not meta_file.is_file() or not weights.is_file():
+        raise MtpError(f"{d}: expected {weights_name} and {meta_name} ({written_by})")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise MtpError(f"{meta_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    return meta, meta_file, weights
+
+
+def load_weights(path: Path) -> dict:
+    """A safetensors file's tensors, refused naming the file when it is unreadable or holds NaN / inf."""
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # safetensors reports truncation and bad headers as several error types
+        raise MtpError(f"{path}: not a readable safetensors file ({e})") from None
+    check_finite(state, str(path))
+    return state
+
+
 def read_manifest(directory: Path) -> dict | None:
     return read_json(Path(directory) / MANIFEST)
 

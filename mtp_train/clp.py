@@ -13,7 +13,6 @@ else clears the threshold, and a threshold of 1 accepts no draft. Pure torch; fi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -154,18 +153,9 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
 def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | None = None
                    ) -> tuple[SpanPredictor, dict]:
     """A saved predictor, refused when it was fitted for another hidden size, k or backbone."""
-    from safetensors.torch import load_file
+    from mtp_train.artifacts import load_weights, read_weights_meta
 
-    from mtp_train.artifacts import check_finite
-
-    d = Path(path)
-    meta_file, weights = d / CLP_META, d / CLP_FILE
-    if not meta_file.is_file() or not weights.is_file():
-        raise MtpError(f"{d}: expected {CLP_FILE} and {CLP_META} (written by mtp-clp)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise MtpError(f"{meta_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    meta, meta_file, weights = read_weights_meta(Path(path), CLP_META, CLP_FILE, "written by mtp-clp")
     for key, have in (("hidden_size", hidden_size), ("k", k)):
         if meta.get(key) != have:
             raise ConfigError(f"{meta_file}: fitted for {key}={meta.get(key)}, these heads and backbone "
@@ -173,12 +163,11 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
     if backbone_name is not None and meta.get("backbone") not in (None, backbone_name):
         raise ConfigError(f"{meta_file}: fitted for backbone {meta.get('backbone')!r}, not {backbone_name!r}")
     predictor = build_predictor(meta["kind"], hidden_size, k, meta.get("use_head_probs", False))
+    state = load_weights(weights)
     try:
-        state = load_file(str(weights))
         predictor.load_state_dict(state)
-    except Exception as e:
+    except RuntimeError as e:
         raise MtpError(f"{weights}: cannot load ({e})") from None
-    check_finite(state, str(weights))
     return predictor.eval(), meta
 
 

@@ -37,6 +37,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EDQUOT}
 
 
+def compose_config(overrides: list[str]) -> Config:
+    """conf/config.yaml with `overrides`, validated, outside a Hydra app (benchmarks, scripts)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return validate(compose("config", overrides=overrides))
+
+
 def in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

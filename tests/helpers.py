@@ -38,3 +38,29 @@ def prep_cli(*overrides: str, cwd=None) -> None:
     r = subprocess.run([str(BIN / "mtp-prep"), "stage=all", *overrides], cwd=cwd,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+class Killed(Exception):
+    """Stands for a kill: raised by `train_killed_at` at the step it names."""
+
+
+def train_killed_at(cfg, step: int, monkeypatch) -> None:
+    """mtp-train on `cfg`, dying (Killed) when the trainer reaches `step`; the training step is
+    restored afterwards, so the next run_train on the same directory resumes as after a kill."""
+    import pytest
+
+    from mtp_train.lit.module import MTPHeadsModule
+
+    real_step = MTPHeadsModule.training_step
+
+    def dying_step(self, batch, batch_idx):
+        if self.global_step == step:
+            raise Killed
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(MTPHeadsModule, "training_step", dying_step)
+    try:
+        with pytest.raises(Killed):
+            run_train(cfg)
+    finally:
+        monkeypatch.setattr(MTPHeadsModule, "training_step", real_step)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from mtp_train.adapters import adapters_disabled, lora_layers
 from mtp_train.config import BackboneConfig, LoraConfig
 from mtp_train.errors import MtpError
-from tests.helpers import run_train
+from tests.helpers import run_train, train_killed_at
 from tests.test_train import FAST
 
 LORA = ["backbone.lora.enabled=true", "backbone.lora.r=4", "backbone.lora.alpha=8",
@@ -149,27 +149,14 @@ def test_peft_loads_the_saved_adapter_as_the_trained_backbone(typed_cfg, tmp_pat
 
 
 def test_resume_with_lora_is_exact(typed_cfg, tmp_path, monkeypatch):
-    from mtp_train.lit.module import MTPHeadsModule
 
     common = [*FAST, *LORA, "heads=chained", "heads.k=2", "loss=kl", "trainer.max_steps=6",
               "train.batch_size=8", "train.warmup_steps=2", "data.distill.max_train_prompts=40",
               "trainer.val_check_interval=3", "train.lr=1e-2"]
     run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/straight"))
 
-    class Killed(Exception):
-        pass
-
-    real_step = MTPHeadsModule.training_step
-
-    def dying_step(self, batch, batch_idx):  # dies at step 4, after the step-3 checkpoint
-        if self.global_step == 4:
-            raise Killed
-        return real_step(self, batch, batch_idx)
-
-    monkeypatch.setattr(MTPHeadsModule, "training_step", dying_step)
-    with pytest.raises(Killed):
-        run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
-    monkeypatch.setattr(MTPHeadsModule, "training_step", real_step)
+    # dies at step 4, after the step-3 checkpoint
+    train_killed_at(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"), 4, monkeypatch)
     run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
     for name in ("heads.safetensors", "adapter/adapter_model.safetensors"):
         straight, resumed = (load_file(str(tmp_path / d / name)) for d in ("straight", "resumed"))

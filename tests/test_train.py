@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtp_train.errors import MtpError
-from tests.helpers import prep_cli, run_train
+from tests.helpers import prep_cli, run_train, train_killed_at
 
 FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
@@ -105,7 +105,6 @@ def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp
 def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg, tmp_path, monkeypatch):
     import lightning as L
 
-    from mtp_train.lit.module import MTPHeadsModule
 
     # 40 rows in batches of 8: 5 steps an epoch, so the step-6 checkpoint is mid-epoch
     common = [*FAST, "heads=chained", "heads.k=2", "loss=e2e_tv", "trainer.max_steps=8",
@@ -113,20 +112,8 @@ def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg,
     run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/straight"))
     straight = load_file(str(tmp_path / "straight" / "heads.safetensors"))
 
-    class Killed(Exception):
-        pass
-
-    real_step = MTPHeadsModule.training_step
-
-    def dying_step(self, batch, batch_idx):  # dies at step 7 (after the step-6 checkpoint)
-        if self.global_step == 7:
-            raise Killed
-        return real_step(self, batch, batch_idx)
-
-    monkeypatch.setattr(MTPHeadsModule, "training_step", dying_step)
-    with pytest.raises(Killed):
-        run_train(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"))
-    monkeypatch.setattr(MTPHeadsModule, "training_step", real_step)
+    # dies at step 7 (after the step-6 checkpoint)
+    train_killed_at(typed_cfg(*common, f"paths.output_dir={tmp_path}/resumed"), 7, monkeypatch)
     steps = []
     monkeypatch.setattr(L.Trainer, "fit", lambda self, *a, _f=L.Trainer.fit, **k: (
         _f(self, *a, **k), steps.append(self.global_step))[0])

@@ -11,14 +11,12 @@ state_dict holds only what trains (plus the draft vocabulary's token ids, when t
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from mtp_train.artifacts import check_finite
 from mtp_train.config import HeadsConfig
 from mtp_train.errors import ConfigError, MtpError
 from mtp_train.heads.chained import ChainedMTP
@@ -114,16 +112,10 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     the adapters are loaded into `backbone` (in place), which is then the adapted model.
 
     Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
-    from safetensors.torch import load_file
+    from mtp_train.artifacts import load_weights, read_weights_meta
 
     d = Path(path)
-    meta_file, weights = d / HEADS_META, d / HEADS_FILE
-    if not meta_file.is_file() or not weights.is_file():
-        raise MtpError(f"{d}: expected {HEADS_FILE} and {HEADS_META} (written by mtp-train)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise MtpError(f"{meta_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    meta, meta_file, weights = read_weights_meta(d, HEADS_META, HEADS_FILE, "written by mtp-train")
     bb = meta.get("backbone") if isinstance(meta, dict) else None
     if not isinstance(bb, dict):
         raise MtpError(f"{meta_file}: has no 'backbone' record (written by mtp-train, or damaged)")
@@ -132,11 +124,7 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
                               f"this backbone ({backbone.name}) has {have}")
     _check_same_backbone(meta_file, bb, backbone, allow_foreign)
-    try:
-        state = load_file(str(weights))
-    except Exception as e:  # safetensors reports truncation and bad headers as several error types
-        raise MtpError(f"{weights}: not a readable safetensors file ({e})") from None
-    check_finite(state, str(weights))
+    state = load_weights(weights)
     cfg = heads_config_from(meta, meta_file)
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
     missing, unexpected = heads.load_state_dict(state, strict=False)

@@ -96,16 +96,16 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     serve_dir = backbone_for_serving(backbone_cfg)
     check_dir = serve_dir
     adapted = has_adapters(backbone.model)
-    if adapted:  # heads trained with LoRA adapters draft for the adapted model: the engine serves it
-        check_dir = tmp / TARGET_DIR
-        merged_backbone(backbone.model).save_pretrained(check_dir, safe_serialization=True)
+    # saved with the export: the adapted model, merged (heads trained with LoRA adapters draft for it),
+    # or a backbone built in code (the tiny test model); otherwise the engine reads serve_dir itself
+    saved = ((TARGET_DIR, merged_backbone(backbone.model)) if adapted else
+             ("backbone", backbone.model) if serve_dir is None else None)
+    if saved is not None:
+        name, model = saved
+        check_dir = tmp / name
+        model.save_pretrained(check_dir, safe_serialization=True)
         backbone.tokenizer.save_pretrained(check_dir)
-        serve_dir = out.resolve() / TARGET_DIR
-    elif serve_dir is None:  # built in code: saved with the export
-        check_dir = tmp / "backbone"
-        backbone.model.save_pretrained(check_dir, safe_serialization=True)
-        backbone.tokenizer.save_pretrained(check_dir)
-        serve_dir = out.resolve() / "backbone"
+        serve_dir = out.resolve() / name
     if fmt == "eagle3":
         config, state = eagle3_files(heads, backbone, serve_dir)
     else:
