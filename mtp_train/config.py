@@ -301,6 +301,9 @@ class TrainConfig:
     # batches of rows of similar length, drawn from windows of this many random batches sorted by
     # length (less padding, the same rows per step); 0 or 1: random batches
     length_window: int = 16
+    # after training, decode with the new heads as mtp-eval does (the eval.* settings) into
+    # <run dir>/eval: in a sweep, every point on the same prompts, and the summary shows its tau and speedup
+    eval_after: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.data_use, DATA_USES, "train.data_use")

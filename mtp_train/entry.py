@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from mtp_train.config import Config, validate
 from mtp_train.errors import MtpError
 from mtp_train.layout import FAILED
+from mtp_train.tracking import register_resolvers
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("mtp_train")
@@ -28,6 +29,7 @@ def register_configs() -> None:
 
 
 register_configs()
+register_resolvers()  # ${mtp_point_dir:...}, a sweep point's directory name (conf/config.yaml)
 # never let W&B or the hub block a run on a prompt or a network call on these machines
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -122,8 +122,13 @@ def hydra_overrides(run_dir: str | Path) -> Path:
 
 
 def csv_metrics(run_dir: str | Path) -> list[Path]:
-    """Lightning's CSVLogger files of a training run, oldest version first."""
-    return sorted(Path(run_dir).glob(f"{CSV_LOGS}/version_*/metrics.csv"))
+    """Lightning's CSVLogger files of a training run (csv/version_<n>, or csv/<point>/version_<n> in a
+    sweep), oldest version first."""
+    def version(path: Path) -> tuple:
+        tail = path.parent.name.rsplit("_", 1)[-1]
+        return (str(path.parent.parent), int(tail) if tail.isdigit() else -1, path.parent.name)
+
+    return sorted(Path(run_dir, CSV_LOGS).glob("**/metrics.csv"), key=version)
 
 
 def predictor_dir(clp_run: str | Path, kind: str) -> Path:

@@ -1,23 +1,33 @@
-"""Gather a finished sweep (`mtp-train -m ...`, local or on SLURM) into one table and one plot.
+"""A finished sweep (`mtp-train -m ...`, local or on SLURM) as one table and one plot.
 
-Each point of a Hydra sweep is a numbered run directory holding `.hydra/overrides.yaml` and either
-`heads.json` (its final metrics) or `FAILED.txt` (why it failed); a point with neither never ran or
-is still running. The report lists every point with its swept values, status, `val/sim_tau` and
-per-depth agreement, and plots sim_tau against heads.k with one line per loss (or per the other
-swept values).
+Each point of a Hydra sweep is a run directory (`<n>-<point name>`, mtp_train/tracking.py) holding
+`.hydra/overrides.yaml` and either `heads.json` (its final metrics) or `FAILED.txt` (why it failed);
+a point with neither never ran or is still running. With `train.eval_after=true` a point also holds
+`eval/eval_report.json` (decoded on the sweep's shared prompts). The report lists every point with
+its swept values, status (a failed one with its reason), `val/sim_tau`, agreement and accuracy per
+depth and, when evaluated, each mode's decode tau and speedup over HF generate; it plots them
+against heads.k with one line per loss (or per the other swept values), failed points marked.
+
+`SweepSummary` (a Hydra callback, conf/config.yaml) writes it at the end of every mtp-train multirun
+and, with logger=wandb, logs it as a table and image to a `sweep` job in the sweep's W&B group.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from pathlib import Path
 
 import yaml
+from hydra.experimental.callback import Callback
 
 from mtp_train import layout
-from mtp_train.artifacts import read_json
+from mtp_train.artifacts import read_json, write_text_atomic
 from mtp_train.errors import MtpError
 from mtp_train.layout import FAILED
+
+log = logging.getLogger(__name__)
 
 
 def _overrides(run: Path) -> dict[str, str]:
@@ -25,10 +35,26 @@ def _overrides(run: Path) -> dict[str, str]:
     return dict(item.split("=", 1) for item in items if "=" in item)
 
 
+def _number(run: Path) -> tuple:
+    """Points in launch order: by the job number their directory name starts with."""
+    head = run.name.split("-", 1)[0]
+    return (not head.isdigit(), int(head) if head.isdigit() else 0, run.name)
+
+
+def _decoded(run: Path) -> dict:
+    """tau and speedup per decoding mode from the point's eval/eval_report.json ({} without one)."""
+    report = read_json(run / "eval" / layout.EVAL_REPORT)
+    if not report:
+        return {}
+    return {mode: {"tau": r.get("tau"), "speedup_vs_hf": r.get("speedup_vs_hf"),
+                   "identical_to_greedy": r.get("identical_to_greedy")}
+            for mode, r in report.get("modes", {}).items() if mode != "hf_generate"}
+
+
 def gather(sweep_dir: str | Path) -> list[dict]:
     sweep_dir = Path(sweep_dir)
     runs = sorted((p.parent.parent for p in sweep_dir.glob(f"*/{layout.HYDRA_DIR}/{layout.HYDRA_OVERRIDES}")),
-                  key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name))
+                  key=_number)
     if not runs:
         raise MtpError(f"{sweep_dir}: no sweep points here (expected <n>/.hydra/overrides.yaml)")
     rows = []
@@ -38,9 +64,11 @@ def gather(sweep_dir: str | Path) -> list[dict]:
         if (run / FAILED).is_file():
             row.update(status="failed", error=(run / FAILED).read_text().splitlines()[0][:300])
         elif meta is not None:
-            m = meta.get("metrics", {})
+            m, depths = meta.get("metrics", {}), range(1, (meta.get("k") or 0) + 1)
             row.update(status="ok", sim_tau=m.get("val/sim_tau"), k=meta.get("k"),
-                       agree=[m.get(f"val/agree_d{j}") for j in range(1, (meta.get("k") or 0) + 1)],
+                       agree=[m.get(f"val/agree_d{j}") for j in depths],
+                       acc=[m.get(f"val/acc_d{j}") for j in depths],
+                       decoded=_decoded(run),
                        slurm_job_id=(meta.get("run") or {}).get("slurm_job_id"))
         else:
             row.update(status="missing")
@@ -53,17 +81,29 @@ def swept_keys(rows: list[dict]) -> list[str]:
     return [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1]
 
 
+def decoded_modes(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(m for r in rows for m in r.get("decoded") or {}))
+
+
+def _fmt(x, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and not math.isnan(x) else ""
+
+
 def markdown_table(rows: list[dict]) -> str:
-    keys = swept_keys(rows)
-    head = ["point", *keys, "status", "val/sim_tau", "agree per depth", "slurm job"]
+    keys, modes = swept_keys(rows), decoded_modes(rows)
+    head = ["point", *keys, "status", "val/sim_tau", "agree per depth", "accuracy per depth",
+            *(f"{m} tau / speedup" for m in modes), "slurm job"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    per_depth = lambda xs: " / ".join(f"{a:.2f}" for a in xs or [] if a is not None)  # noqa: E731
     for r in rows:
-        tau = r.get("sim_tau")
-        agree = " / ".join(f"{a:.2f}" for a in r.get("agree") or [] if a is not None)
         status = r["status"] if r["status"] != "failed" else f"failed: {r['error']}"
-        lines.append("| " + " | ".join([r["point"], *(r["overrides"].get(k, "") for k in keys), status,
-                                        f"{tau:.4f}" if isinstance(tau, float) and not math.isnan(tau) else "",
-                                        agree, r.get("slurm_job_id") or ""]) + " |")
+        dec = r.get("decoded") or {}
+        lines.append("| " + " | ".join([
+            r["point"], *(r["overrides"].get(k, "") for k in keys), status, _fmt(r.get("sim_tau"), ".4f"),
+            per_depth(r.get("agree")), per_depth(r.get("acc")),
+            *(f"{_fmt(dec[m]['tau'], '.2f')} / {_fmt(dec[m]['speedup_vs_hf'], '.2f')}x" if m in dec else ""
+              for m in modes),
+            r.get("slurm_job_id") or ""]) + " |")
     return "\n".join(lines)
 
 
@@ -76,32 +116,48 @@ def _order(point: tuple) -> tuple:
 
 
 def plot(rows: list[dict], path: Path, x_key: str = "heads.k") -> Path | None:
-    """sim_tau against `x_key`, one line per combination of the other swept values."""
+    """val/sim_tau (and, for evaluated sweeps, each point's decode tau and speedup in its first
+    decoded mode) against `x_key`, one line per combination of the other swept values; a failed
+    point is a red cross at its x on the bottom edge, so it shows as failed, not as a gap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = swept_keys(rows)
-    ok = [r for r in rows if r["status"] == "ok" and r.get("sim_tau") is not None]
-    if not ok:
+    if not any(r["status"] in ("ok", "failed") for r in rows):
         return None
     if x_key not in keys:
         x_key = keys[0] if keys else None
-    series: dict[str, list] = {}
-    for r in ok:
-        label = ", ".join(f"{k}={r['overrides'][k]}" for k in keys if k != x_key and k in r["overrides"])
-        x = r["overrides"].get(x_key, r["point"]) if x_key else r["point"]
-        series.setdefault(label or "sim_tau", []).append((x, r["sim_tau"]))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, pts in sorted(series.items()):
-        pts.sort(key=_order)
-        ax.plot([str(p[0]) for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xlabel(x_key or "point")
-    ax.set_ylabel("val/sim_tau")
-    ax.set_title("accepted length under greedy verification (validation)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    mode = next(iter(decoded_modes(rows)), None)
+    panels = [("val/sim_tau", lambda r: r.get("sim_tau"))]
+    if mode:
+        panels += [(f"decode tau ({mode})", lambda r: (r.get("decoded") or {}).get(mode, {}).get("tau")),
+                   (f"speedup vs HF generate ({mode})",
+                    lambda r: (r.get("decoded") or {}).get(mode, {}).get("speedup_vs_hf"))]
+    x_of = lambda r: str(r["overrides"].get(x_key, r["point"]) if x_key else r["point"])  # noqa: E731
+    label_of = lambda r: ", ".join(f"{k}={r['overrides'][k]}" for k in keys  # noqa: E731
+                                   if k != x_key and k in r["overrides"])
+    xs = sorted({x_of(r) for r in rows if r["status"] in ("ok", "failed")}, key=lambda x: _order((x,)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, value) in zip(axes[0], panels, strict=True):
+        series: dict[str, list] = {}
+        for r in rows:
+            v = value(r) if r["status"] == "ok" else None
+            if isinstance(v, (int, float)) and not math.isnan(v):
+                series.setdefault(label_of(r) or title, []).append((xs.index(x_of(r)), v))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        failed = [r for r in rows if r["status"] == "failed"]
+        for i, r in enumerate(failed):
+            ax.plot([xs.index(x_of(r))], [0], marker="x", color="red", markersize=10, clip_on=False,
+                    transform=ax.get_xaxis_transform(), label="failed" if i == 0 else None)
+        ax.set_xticks(range(len(xs)), xs)
+        ax.set_xlabel(x_key or "point")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -122,5 +178,51 @@ def report(sweep_dir: str | Path) -> dict:
            "missing": sum(r["status"] == "missing" for r in rows),
            "plot": str(png) if png else None}
     write_json_atomic(sweep_dir / f"{layout.SWEEP_REPORT}.json", out)
-    (sweep_dir / f"{layout.SWEEP_REPORT}.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n")
+    write_text_atomic(sweep_dir / f"{layout.SWEEP_REPORT}.md", f"# Sweep {sweep_dir}\n\n{table}\n")
     return out
+
+
+def to_wandb(cfg, out: dict, group: str) -> None:
+    """The summary as a W&B table (one row per point, failed ones with their reason) and the plot,
+    logged by a `sweep` job in the sweep's group; nothing without logger=wandb."""
+    from mtp_train.tracking import wandb_init
+
+    run = wandb_init(cfg, "sweep", out["sweep_dir"], name=f"{group}-summary", group=group,
+                     tags=[f"swept={k}"[:64] for k in out["swept"]])
+    if run is None:
+        return
+    import wandb
+
+    rows, keys = out["points"], out["swept"]
+    modes = decoded_modes(rows)
+    cols = ["point", *keys, "status", "reason", "val/sim_tau", "agree_per_depth", "acc_per_depth",
+            *(f"{m}/{q}" for m in modes for q in ("tau", "speedup_vs_hf")), "slurm_job_id"]
+    data = [[r["point"], *(r["overrides"].get(k) for k in keys), r["status"], r.get("error"), r.get("sim_tau"),
+             json.dumps(r.get("agree")), json.dumps(r.get("acc")),
+             *((r.get("decoded") or {}).get(m, {}).get(q) for m in modes for q in ("tau", "speedup_vs_hf")),
+             r.get("slurm_job_id")] for r in rows]
+    run.log({"sweep/summary": wandb.Table(columns=cols, data=data),
+             **({"sweep/plot": wandb.Image(out["plot"])} if out.get("plot") else {})})
+    run.summary.update({"sweep/ok": out["ok"], "sweep/failed": out["failed"], "sweep/missing": out["missing"]})
+    run.finish()
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after an mtp-train multirun (local, or once every Slurm job has ended), the
+    sweep summary beside the points and, with logger=wandb, in the sweep's W&B group."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json / FAILED.txt
+            return
+        from mtp_train.tracking import sweep_group
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            out = report(sweep_dir)
+        except MtpError as e:
+            log.warning("sweep summary: %s", e)
+            return
+        print(markdown_table(out["points"]))
+        log.info("sweep summary: %d ok, %d failed, %d missing; %s", out["ok"], out["failed"], out["missing"],
+                 sweep_dir / f"{layout.SWEEP_REPORT}.md")
+        to_wandb(config, out, sweep_group(config.experiment_name, sweep_dir))

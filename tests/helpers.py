@@ -64,3 +64,39 @@ def train_killed_at(cfg, step: int, monkeypatch) -> None:
             run_train(cfg)
     finally:
         monkeypatch.setattr(MTPHeadsModule, "training_step", real_step)
+
+
+def wandb_offline_runs(directory) -> list[dict]:
+    """The run records of every W&B offline run under `directory` (<dir>/**/offline-run-*/run-*.wandb):
+    name, group, tags, job type and project, read back from the run file itself.
+
+    The file is a LevelDB-style log: a 7-byte header, then 32 KiB blocks of chunks, each a 7-byte
+    header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a piece of one serialized
+    `Record` protobuf."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    runs = []
+    for path in sorted(Path(directory).rglob("offline-run-*/run-*.wandb")):
+        data, pos, block, records, pending = path.read_bytes(), 7, 32768, [], b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # too little room left in this block for a chunk header
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0 and length == 0:
+                break
+            piece, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            pending = piece if kind in (1, 2) else pending + piece
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                records.append(record)
+        for record in records:
+            if record.WhichOneof("record_type") == "run":
+                r = record.run
+                runs.append({"path": str(path), "name": r.display_name, "group": r.run_group,
+                             "tags": list(r.tags), "job_type": r.job_type, "project": r.project})
+                break
+    return runs

@@ -11,7 +11,7 @@ import torch
 from mtp_train import layout
 from mtp_train.errors import MtpError
 from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
-from tests.helpers import run_eval
+from tests.helpers import run_eval, wandb_offline_runs
 
 CORE_KEYS = {"tau", "alpha", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
              "greedy_match_rate", "identical_to_greedy", "n_prompts", "new_tokens", "speedup_vs_best_hf"}
@@ -197,6 +197,8 @@ def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
     blob = b"".join(f.read_bytes() for f in runs[0].rglob("*.wandb"))
     for key in (b"eval/report", b"eval/verify/tau", b"eval/speedup", b"eval/step_cost"):
         assert key in blob, key
+    (record,) = wandb_offline_runs(root / "eval")
+    assert (record["name"], record["group"], record["job_type"]) == (f"{cfg.experiment_name}-eval", "", "eval")
 
 
 def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypatch):
@@ -220,10 +222,13 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert again["label"] == res["label"]
     assert all(r["skipped"] for stage in ("fit", "calibrate") for r in again[stage].values())
     assert json.loads((root / "clp" / "stage_times.json").read_text()) == times
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     retuned = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.9,0.6]", f"clp.heads={root}/train",
-                                f"paths.output_dir={root}/clp"))
+                                f"paths.output_dir={root}/clp", "logger=wandb"))
     assert all(r["skipped"] for r in retuned["fit"].values())
     assert not any(r["skipped"] for r in retuned["calibrate"].values())
+    (record,) = wandb_offline_runs(root / "clp")  # with logger=wandb, mtp-clp is a `clp` job
+    assert record["job_type"] == "clp" and record["name"].endswith("-clp")
     eval_args = ["eval.modes=[greedy,clp,gate,clp+verify]", f"eval.clp={root}/clp/clp", f"eval.gate={root}/clp/gate"]
     report = run_eval(_eval_cfg(root, *eval_args))
     import mtp_train.evaluate as evaluate_mod

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from mtp_train.sweep import gather, markdown_table, report
-from tests.helpers import prep_cli
+from mtp_train.sweep import gather, markdown_table
+from tests.helpers import prep_cli, wandb_offline_runs
 
 BIN = Path(sys.executable).parent
 POINT = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
@@ -22,27 +23,59 @@ POINT = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_che
 
 def _sweep(tmp_path, *overrides, env=None, timeout=900):
     prep_cli(*POINT, f"paths.root_dir={tmp_path}", cwd=tmp_path)
-    return subprocess.run([str(BIN / "mtp-train"), "-m", *POINT, f"paths.root_dir={tmp_path}",
+    point = [o for o in POINT if not (o.startswith("logger=") and any(x.startswith("logger=") for x in overrides))]
+    return subprocess.run([str(BIN / "mtp-train"), "-m", *point, f"paths.root_dir={tmp_path}",
                            f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
 
 
+EVAL_AFTER = ["train.eval_after=true", "eval.n_prompts=2", "eval.max_new_tokens=6", "eval.modes=[verify]",
+              "eval.rounds=1", "eval.warmup=0"]
+
+
 @pytest.mark.bad_input
-def test_a_failing_point_does_not_stop_the_sweep_and_the_report_shows_it(tmp_path):
-    r = _sweep(tmp_path, "heads.k=300,2", "loss=ce")  # the first point fails (k longer than the rows)
+def test_a_local_sweep_names_groups_and_tags_its_points_and_summarises_them_failed_included(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    # the k=300 points fail (k longer than the rows); every point is decoded after training
+    r = _sweep(tmp_path, "heads.k=300,2", "loss=ce,kl", "logger=[csv,wandb]", *EVAL_AFTER, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = gather(tmp_path / "sweep")
-    assert [x["status"] for x in rows] == ["failed", "ok"]
+    sweep = tmp_path / "sweep"
+    names = ["k300-ce", "k300-kl", "k2-ce", "k2-kl"]  # the swept values, in command-line order
+    assert sorted(p.name for p in sweep.iterdir() if (p / ".hydra").is_dir()) == \
+        sorted(f"{i}-{n}" for i, n in enumerate(names))
+    # the summary was written when the multirun ended, without anyone asking
+    out = json.loads((sweep / "sweep_report.json").read_text())
+    rows = out["points"]
+    assert [x["status"] for x in rows] == ["failed", "failed", "ok", "ok"]
     assert "heads.k" in rows[0]["error"] and rows[0]["overrides"]["heads.k"] == "300"
-    assert rows[1]["sim_tau"] >= 1.0 and (tmp_path / "sweep" / "1" / "heads.safetensors").is_file()
-    out = report(tmp_path / "sweep")
-    assert out["failed"] == 1 and out["ok"] == 1 and out["swept"] == ["heads.k"]
+    assert out["failed"] == 2 and out["ok"] == 2 and out["swept"] == ["heads.k", "loss"]
+    for x in rows[2:]:
+        assert x["sim_tau"] >= 1.0 and len(x["acc"]) == 2 and all(0 <= a <= 1 for a in x["acc"])
+        assert x["decoded"]["verify"]["tau"] >= 1.0 and x["decoded"]["verify"]["identical_to_greedy"]
+        assert (Path(x["dir"]) / "eval" / "eval_report.json").is_file()
     assert Path(out["plot"]).stat().st_size > 1000
-    table = (tmp_path / "sweep" / "sweep_report.md").read_text()
-    assert "failed: ConfigError: heads.k" in table
-    r = subprocess.run([sys.executable, "bench/sweep_report.py", str(tmp_path / "sweep")],
+    table = (sweep / "sweep_report.md").read_text()
+    assert table.count("failed: ConfigError: heads.k") == 2 and "verify tau / speedup" in table
+    # W&B: each trained point's train and eval runs carry its name, the sweep's group and its tags;
+    # the failed points made no run; the summary is a `sweep` job in the same group
+    group = "smollm2_demo-sweep"
+    for i, name in enumerate(names[2:], start=2):
+        point = sweep / f"{i}-{name}"
+        assert (point / "csv" / name / "version_0" / "metrics.csv").is_file()  # the same name on disk
+        runs = sorted(wandb_offline_runs(point), key=lambda x: x["job_type"])
+        k, loss = name[1:].split("-")
+        assert [(x["job_type"], x["name"], x["group"], x["tags"]) for x in runs] == \
+            [(job, name, group, [f"heads.k={k}", f"loss={loss}"]) for job in ("eval", "train")]
+    for i, name in enumerate(names[:2]):
+        assert wandb_offline_runs(sweep / f"{i}-{name}") == []
+    (summary,) = wandb_offline_runs(sweep / "wandb")
+    assert (summary["job_type"], summary["group"], summary["name"]) == ("sweep", group, f"{group}-summary")
+    blob = b"".join(f.read_bytes() for f in (sweep / "wandb").rglob("*.wandb"))
+    assert b"sweep/summary" in blob and b"sweep/plot" in blob
+    r = subprocess.run([sys.executable, "bench/sweep_report.py", str(sweep)],
                        capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    assert r.returncode == 1 and "1 ok, 1 failed" in r.stdout
+    assert r.returncode == 1 and "2 ok, 2 failed" in r.stdout
 
 
 @pytest.mark.bad_input
@@ -51,6 +84,44 @@ def test_report_refuses_a_directory_without_points(tmp_path):
 
     with pytest.raises(MtpError, match="no sweep points"):
         gather(tmp_path)
+
+
+def test_point_names_come_from_the_swept_values():
+    from mtp_train.tracking import MAX_NAME, point_name, point_values
+
+    groups = {"loss", "heads", "backbone"}
+    values = point_values(["backbone=tiny", "heads.k=3", "loss=kl", "train.lr=0.001", "loss.adamtp=false",
+                           "train.data_use=mix", "+extra.flag=true"],
+                          ["heads.k", "loss", "train.lr", "loss.adamtp", "train.data_use", "extra.flag"])
+    assert point_name(values, groups) == "k3-kl-lr0.001-no_adamtp-data_use=mix-flag"
+    assert point_name([], groups) == ""
+    assert point_name([("data.path", "/a b/c")], groups) == "path=_a_b_c"  # safe as a file name
+    long = [(f"key{i}", "x" * 20) for i in range(6)]
+    cut, other = point_name(long, groups), point_name(long[:5] + [("key5", "y" * 20)], groups)
+    assert len(cut) == MAX_NAME and len(other) == MAX_NAME and cut != other  # cut, still unique
+
+
+def test_swept_keys_come_from_the_command_line_and_the_sweeper_params(tmp_path):
+    from mtp_train.tracking import swept_keys
+
+    assert swept_keys(tmp_path) is None  # no multirun.yaml: the caller falls back to every override
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "overrides": {"task": ["backbone=tiny", "loss=ce,kl", "train.lr=range(1,3)", "~foo"]},
+        "sweeper": {"params": {"heads.k": "2,3,4", "seed": 1}}}}))
+    assert swept_keys(tmp_path) == ["loss", "train.lr", "heads.k"]
+
+
+def test_the_sweep_experiment_composes_as_documented(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.entry import CONF_DIR, compose_config
+
+    cfg = compose_config(["experiment=smollm2_sweep", f"paths.output_dir={tmp_path}"])
+    assert cfg.train.eval_after and cfg.eval.prompt_source == "unseen" and cfg.eval.n_prompts >= 20
+    assert cfg.loss.topk == 0 and cfg.experiment_name == "smollm2_sweep"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        raw = compose("config", overrides=["experiment=smollm2_sweep"], return_hydra_config=True)
+    assert dict(raw.hydra.sweeper.params) == {"heads.k": "2,3,4", "loss": "ce,kl,e2e_tv"}
 
 
 def test_plot_orders_numbers_numerically_and_names_after():
@@ -62,11 +133,11 @@ def test_plot_orders_numbers_numerically_and_names_after():
 
 def test_table_lists_swept_values_only():
     rows = [{"point": "0", "overrides": {"a": "1", "b": "x"}, "status": "ok", "sim_tau": 1.5,
-             "agree": [0.5], "slurm_job_id": "7"},
+             "agree": [0.5], "acc": [0.4], "slurm_job_id": "7"},
             {"point": "1", "overrides": {"a": "2", "b": "x"}, "status": "missing"}]
     table = markdown_table(rows)
     assert "| point | a | status |" in table and "| b |" not in table
-    assert "| 0 | 1 | ok | 1.5000 | 0.50 | 7 |" in table
+    assert "| 0 | 1 | ok | 1.5000 | 0.50 | 0.40 | 7 |" in table
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +160,19 @@ def slurm(tmp_path_factory):
 
 @pytest.mark.slurm
 def test_two_by_two_sweep_on_a_real_slurm(slurm, tmp_path):
+    # the k=300 point fails on purpose: the summary, written when the last job ends, must say so
     r = _sweep(tmp_path, "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1",
                "hydra.launcher.mem_gb=null", "hydra.launcher.timeout_min=20",
-               "heads.k=1,2", "loss=ce,kl", env=slurm.env, timeout=1500)
+               "heads.k=1,2,300", "loss=ce,kl", env=slurm.env, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Slurm" in r.stdout + r.stderr or (tmp_path / "sweep" / ".submitit").is_dir()
-    out = report(tmp_path / "sweep")
-    rows = out["points"]
-    assert out["ok"] == 4 and sorted(out["swept"]) == ["heads.k", "loss"]
+    out = json.loads((tmp_path / "sweep" / "sweep_report.json").read_text())
+    assert out["ok"] == 4 and out["failed"] == 2 and sorted(out["swept"]) == ["heads.k", "loss"]
+    assert [Path(x["dir"]).name for x in out["points"]] == \
+        ["0-k1-ce", "1-k1-kl", "2-k2-ce", "3-k2-kl", "4-k300-ce", "5-k300-kl"]
+    assert all("failed: ConfigError: heads.k" in x["status"] + ": " + x.get("error", "")
+               for x in out["points"][4:])
+    rows = out["points"][:4]
     assert {(x["overrides"]["heads.k"], x["overrides"]["loss"]) for x in rows} == \
         {("1", "ce"), ("1", "kl"), ("2", "ce"), ("2", "kl")}
     jobs = {x["slurm_job_id"] for x in rows}
@@ -105,8 +181,7 @@ def test_two_by_two_sweep_on_a_real_slurm(slurm, tmp_path):
         assert (Path(x["dir"]) / "heads.safetensors").is_file()
         assert not math.isnan(x["sim_tau"]) and x["sim_tau"] >= 1.0
         assert len(x["agree"]) == int(x["overrides"]["heads.k"])
-    assert json.loads((tmp_path / "sweep" / "sweep_report.json").read_text())["ok"] == 4
-    assert Path(out["plot"]).is_file()
+    assert Path(out["plot"]).is_file() and "failed: ConfigError" in (tmp_path / "sweep" / "sweep_report.md").read_text()
     assert slurm.wait_idle(), slurm.run("squeue", "-h").stdout  # every job ends
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtp_train.errors import MtpError
-from tests.helpers import prep_cli, run_train, train_killed_at
+from tests.helpers import prep_cli, run_train, train_killed_at, wandb_offline_runs
 
 FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
@@ -99,6 +99,10 @@ def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp
         time.sleep(0.5)
     for key in keys:
         assert key in blob, key
+    # a single run keeps the experiment's name and joins no sweep group
+    (record,) = wandb_offline_runs(tmp_path / "out")
+    assert (record["name"], record["group"], record["tags"], record["job_type"]) == \
+        (cfg.experiment_name, "", [], "train")
 
 
 @pytest.mark.bad_input

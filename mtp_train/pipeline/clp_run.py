@@ -282,4 +282,18 @@ def _run_clp(cfg: Config) -> dict:
             if not skipped:  # wall seconds of each stage's last run that did work
                 times[stage] = round(time.time() - t0, 1)
                 write_json_atomic(out / layout.STAGE_TIMES, times)
+    _to_wandb(cfg, results, out)
     return results
+
+
+def _to_wandb(cfg: Config, results: dict, out: Path) -> None:
+    """With logger=wandb: the predictors' fit metrics and chosen thresholds, as a `clp` job."""
+    from mtp_train.tracking import wandb_init
+
+    run = wandb_init(cfg, "clp", out, config={"clp": dict(vars(cfg.clp))})
+    if run is None:
+        return
+    run.log({f"clp/{kind}/{key}": value for stage in ("fit", "calibrate")
+             for kind, r in (results.get(stage) or {}).items() for key, value in r.items()
+             if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    run.finish()

@@ -281,17 +281,13 @@ def _run_eval(cfg: Config) -> dict:
 
 
 def _to_wandb(cfg: Config, report: dict, plots: list[Path]) -> None:
-    if not cfg.logger or "wandb" not in cfg.logger:
-        return
-    import os
+    from mtp_train.tracking import wandb_init
 
+    run = wandb_init(cfg, "eval", cfg.paths.output_dir, config={"eval": dict(vars(cfg.eval))})
+    if run is None:
+        return
     import wandb
 
-    if not os.environ.get("WANDB_API_KEY"):
-        os.environ["WANDB_MODE"] = "offline"
-    lcfg = cfg.logger["wandb"]
-    run = wandb.init(project=lcfg.get("project"), name=f"{lcfg.get('name') or 'eval'}-eval",
-                     dir=cfg.paths.output_dir, job_type="eval", config={"eval": dict(vars(cfg.eval))})
     cols = ["mode", *next(iter(report["modes"].values())).keys()]
     table = wandb.Table(columns=cols, data=[[m, *[json.dumps(v) if isinstance(v, list) else v
                                                    for v in r.values()]]

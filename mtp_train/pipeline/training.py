@@ -43,11 +43,23 @@ def draft_vocab_for(cfg: Config, backbone):
 
 
 def make_loggers(cfg) -> list:
+    """The configured loggers; in a multirun, W&B runs are named, grouped and tagged after the point
+    and the CSV logger writes to csv/<point name> (mtp_train/tracking.py)."""
+    from mtp_train.tracking import identity
+
+    ident = identity(cfg.experiment_name, "train")
     loggers = []
     for name, lcfg in (cfg.logger or {}).items():
-        if name == "wandb" and not os.environ.get("WANDB_API_KEY"):
-            os.environ["WANDB_MODE"] = "offline"  # never a login prompt; `wandb sync` later
-            lcfg = {**lcfg, "offline": True}
+        lcfg = dict(lcfg)
+        if name == "wandb":
+            if not os.environ.get("WANDB_API_KEY"):
+                os.environ["WANDB_MODE"] = "offline"  # never a login prompt; `wandb sync` later
+                lcfg["offline"] = True
+            own = {k: v for k, v in lcfg.items()  # a name or group the user set stays
+                   if v is not None and not (k == "name" and v == cfg.experiment_name)}
+            lcfg = {**lcfg, **ident.wandb_kwargs(), **own}
+        elif name == "csv" and ident.group:  # csv/<point>/version_<n>: a requeued point adds a version
+            lcfg["name"] = f"{lcfg.get('name') or layout.CSV_LOGS}/{ident.name}"
         loggers.append(hydra.utils.instantiate(lcfg))
     return loggers
 
@@ -73,7 +85,7 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
 
     structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
     train = {k: v for k, v in structured(cfg.train).items()
-             if k not in ("num_workers", "use_cache") and LATER_KEYS["train"].get(k, ...) != v}
+             if k not in ("num_workers", "use_cache", "eval_after") and LATER_KEYS["train"].get(k, ...) != v}
     heads = {k: v for k, v in structured(cfg.heads).items() if LATER_KEYS["heads"].get(k, ...) != v}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
     lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
@@ -417,3 +429,20 @@ def _run_train(cfg: Config) -> dict:
         log.info("heads written to %s (val/sim_tau %.3f)", path, metrics.get("val/sim_tau", float("nan")))
         print(json.dumps({"heads": str(path), **{k: round(v, 4) for k, v in metrics.items()}}, indent=1))
     return metrics
+
+
+def eval_trained(cfg: Config) -> dict | None:
+    """train.eval_after: mtp-eval on the heads just written to paths.output_dir, into <run dir>/eval
+    (rank 0 only; an evaluation already done for these heads and settings is kept)."""
+    import dataclasses
+
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from mtp_train.pipeline.evaluation import run_eval
+
+    if rank_zero_only.rank != 0:
+        return None
+    run_dir = Path(cfg.paths.output_dir)
+    return run_eval(dataclasses.replace(
+        cfg, eval=dataclasses.replace(cfg.eval, heads=str(run_dir)),
+        paths=dataclasses.replace(cfg.paths, output_dir=str(run_dir / "eval"))))

@@ -1,0 +1,154 @@
+"""Who a run is, for W&B and on disk: its name, its sweep group, its tags and its job type.
+
+A single run keeps the experiment's name (`logger.wandb.name`). A point of a multirun (`-m`, local
+or through the Slurm launcher) is named after the values its sweep varies, in command-line order
+(`heads.k=3 loss=kl` -> `k3-kl`), and the same name ends its run directory (`<sweep>/4-k3-kl`) and
+its CSV logger's directory (`csv/k3-kl`), so a reader can match W&B and disk. Every point of one
+multirun shares the group `<experiment>-<sweep directory name>` (the start time by default) and is
+tagged with its swept overrides (`heads.k=3`, `loss=kl`) and, on Slurm, the array job's id.
+The sweep summary (mtp_train/sweep.py) logs to the same group.
+
+Which keys a sweep varies is read from the sweep's `multirun.yaml`, which Hydra writes into the
+sweep directory before the first point starts (command-line sweeps and `hydra.sweeper.params`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+MULTIRUN_CONFIG = "multirun.yaml"
+MAX_NAME = 64  # W&B shows names up to this length; tags are limited to 64 characters
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
+
+
+@dataclass
+class RunIdentity:
+    job_type: str
+    name: str | None = None  # None: the logger config's own name (a single run)
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def wandb_kwargs(self) -> dict:
+        return {"job_type": self.job_type,
+                **({"name": self.name} if self.name else {}),
+                **({"group": self.group, "tags": self.tags} if self.group else {})}
+
+
+def _parse(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(overrides=list(overrides))
+
+
+def swept_keys(sweep_dir: str | Path) -> list[str] | None:
+    """The keys the multirun in `sweep_dir` varies, in the order it names them; None when the sweep
+    wrote no multirun.yaml (then every point override counts)."""
+    path = Path(sweep_dir) / MULTIRUN_CONFIG
+    if not path.is_file():
+        return None
+    hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
+    keys = [o.key_or_group for o in _parse((hydra.get("overrides") or {}).get("task") or [])
+            if o.is_sweep_override()]
+    params = (hydra.get("sweeper") or {}).get("params") or {}
+    for key, value in params.items():  # hydra.sweeper.params: {heads.k: "2,3,4", ...}
+        override = _parse([f"{key}={value}"])[0]
+        if override.is_sweep_override():
+            keys.append(override.key_or_group)
+    return list(dict.fromkeys(keys))
+
+
+def point_values(overrides: list[str], keys: list[str]) -> list[tuple[str, str]]:
+    """(key, value) of `keys` among one point's overrides, in the order of `keys`."""
+    found = {}
+    for o in _parse(overrides):
+        if not o.is_delete() and not o.is_sweep_override():
+            found[o.key_or_group] = o.get_value_element_as_str()
+    return [(k, found[k]) for k in keys if k in found]
+
+
+def _part(key: str, value: str, groups: set[str]) -> str:
+    if key in groups:  # a config group: its option says it all (loss=kl -> kl)
+        return value.rsplit("/", 1)[-1]
+    short = key.rsplit(".", 1)[-1]
+    if value.lower() in ("true", "false"):
+        return short if value.lower() == "true" else f"no_{short}"
+    try:
+        float(value)
+        return f"{short}{value}"  # heads.k=3 -> k3, train.lr=0.001 -> lr0.001
+    except ValueError:
+        return f"{short}={value}"
+
+
+def point_name(values: list[tuple[str, str]], groups: set[str]) -> str:
+    """A short, file-name-safe name from a point's swept values; "" when nothing is swept."""
+    name = _UNSAFE.sub("_", "-".join(_part(k, v, groups) for k, v in values))
+    if len(name) > MAX_NAME:  # still unique: the cut is followed by a hash of the whole
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        name = f"{name[:MAX_NAME - 9]}~{digest}"
+    return name
+
+
+def sweep_group(experiment_name: str, sweep_dir: str | Path) -> str:
+    return f"{experiment_name}-{Path(sweep_dir).name}"
+
+
+def _hydra_point(hc) -> tuple[str, list[tuple[str, str]]]:
+    """(name, swept values) of the current multirun point, from Hydra's config `hc` (its `hydra` node)."""
+    overrides = list(hc.overrides.task)
+    keys = swept_keys(hc.sweep.dir)
+    if keys is None:
+        keys = [o.key_or_group for o in _parse(overrides) if not o.is_delete()]
+    values = point_values(overrides, keys)
+    return point_name(values, set(hc.runtime.choices or {})), values
+
+
+def point_dir_name(num, _root_) -> str:
+    """Resolver behind `hydra.sweep.subdir`: `<job number>-<point name>` (the number keeps the
+    launch order and tells apart two points whose names are cut to the same prefix)."""
+    name, _ = _hydra_point(_root_.hydra)
+    return f"{num}-{name}" if name else str(num)
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mtp_point_dir"):
+        OmegaConf.register_new_resolver("mtp_point_dir", point_dir_name)
+
+
+def identity(experiment_name: str, job_type: str) -> RunIdentity:
+    """This process's run: a multirun point is named, grouped and tagged; a single run is not."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+        return RunIdentity(job_type=job_type)
+    hc = HydraConfig.get()
+    name, values = _hydra_point(hc)
+    tags = [f"{k}={v}"[:MAX_NAME] for k, v in values]
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        tags.append(f"slurm_array={os.environ['SLURM_ARRAY_JOB_ID']}")
+    return RunIdentity(job_type=job_type, name=name or experiment_name,
+                       group=sweep_group(experiment_name, hc.sweep.dir), tags=tags)
+
+
+def wandb_init(cfg, job_type: str, directory: str | Path, **kwargs):
+    """A W&B run for a stage other than training (clp, eval, the sweep summary): the project of
+    `logger.wandb`, this process's identity, offline without an API key. None without logger=wandb."""
+    if not cfg.logger or "wandb" not in cfg.logger:
+        return None
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ["WANDB_MODE"] = "offline"  # never a login prompt; `wandb sync` later
+    lcfg = cfg.logger["wandb"]
+    ident = identity(cfg.experiment_name, job_type)
+    args = {"name": f"{lcfg.get('name') or cfg.experiment_name}-{job_type}", **ident.wandb_kwargs(), **kwargs}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=lcfg.get("project"), dir=str(directory), **args)
