@@ -138,6 +138,15 @@ def identity(experiment_name: str, job_type: str) -> RunIdentity:
                        group=sweep_group(experiment_name, hc.sweep.dir), tags=tags)
 
 
+def offline_without_key() -> bool:
+    """Without WANDB_API_KEY, W&B runs offline (<dir>/wandb/offline-run-*, `wandb sync` later): never a
+    login prompt on these machines. True when offline."""
+    if os.environ.get("WANDB_API_KEY"):
+        return False
+    os.environ["WANDB_MODE"] = "offline"
+    return True
+
+
 def wandb_init(cfg, job_type: str, directory: str | Path, **kwargs):
     """A W&B run for a stage other than training (clp, eval, the sweep summary): the project of
     `logger.wandb`, this process's identity, offline without an API key. None without logger=wandb."""
@@ -145,8 +154,7 @@ def wandb_init(cfg, job_type: str, directory: str | Path, **kwargs):
         return None
     import wandb
 
-    if not os.environ.get("WANDB_API_KEY"):
-        os.environ["WANDB_MODE"] = "offline"  # never a login prompt; `wandb sync` later
+    offline_without_key()
     lcfg = cfg.logger["wandb"]
     ident = identity(cfg.experiment_name, job_type)
     args = {"name": f"{lcfg.get('name') or cfg.experiment_name}-{job_type}", **ident.wandb_kwargs(), **kwargs}

@@ -45,15 +45,14 @@ def draft_vocab_for(cfg: Config, backbone):
 def make_loggers(cfg) -> list:
     """The configured loggers; in a multirun, W&B runs are named, grouped and tagged after the point
     and the CSV logger writes to csv/<point name> (mtp_train/tracking.py)."""
-    from mtp_train.tracking import identity
+    from mtp_train.tracking import identity, offline_without_key
 
     ident = identity(cfg.experiment_name, "train")
     loggers = []
     for name, lcfg in (cfg.logger or {}).items():
         lcfg = dict(lcfg)
         if name == "wandb":
-            if not os.environ.get("WANDB_API_KEY"):
-                os.environ["WANDB_MODE"] = "offline"  # never a login prompt; `wandb sync` later
+            if offline_without_key():
                 lcfg["offline"] = True
             own = {k: v for k, v in lcfg.items()  # a name or group the user set stays
                    if v is not None and not (k == "name" and v == cfg.experiment_name)}
