@@ -94,6 +94,8 @@ def main(overrides: list[str]) -> None:
               f"  identical_to_greedy {m['identical_to_greedy']}")
     for line in report.get("flags") or []:
         print(f"flag: {line}")
+    for line in report.get("divergence") or []:
+        print(f"not identical to greedy: {line}")
     for line, met in target_lines(report):
         print(f"target {'met' if met else 'NOT met'}: {line}")
 

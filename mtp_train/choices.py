@@ -26,6 +26,8 @@ DECODER_MODES = ("greedy", "verify", "relaxed", "clp", "clp+verify", "adaptive")
 EVAL_MODES = {"greedy": "greedy", "verify": "verify", "tree": "verify", "dynamic": "verify",
               "relaxed": "relaxed", "clp": "clp", "gate": "clp", "clp+verify": "clp+verify",
               "adaptive": "adaptive"}
+# the modes whose output must equal greedy's (relaxed, clp and the gate trade that for speed)
+LOSSLESS_EVAL_MODES = ("greedy", "verify", "tree", "dynamic", "clp+verify", "adaptive")
 
 ADAPTIVE_POLICIES = ("cost", "entropy")  # eval.adaptive_policy
 PROMPT_SOURCES = ("validation", "unseen")  # eval.prompt_source without eval.prompts

@@ -9,9 +9,14 @@ backbone's mean per-token NLL of the output, teacher-forced), greedy_match_rate 
 our greedy's; lossy modes), identical_to_greedy, n_prompts, new_tokens, speedup_vs_best_hf (against
 the faster of fp32 and bf16 HF generate, from `hf_dtype_probe`). Under "details", per mode:
 first_divergence (mean first differing position over outputs that differ), wall_s, prefill_s,
-decode_s and accept_hist. Top level: step_cost (forward over k+1 tokens / over 1), the heads'
-training-time val/sim_tau next to the measured tau, the prompts skipped as too long, and "decoder":
-the matmul layout, dtype, verify cost curve and the trees weighed against it (docs/decoding.md).
+decode_s and accept_hist; for lossless modes also divergence_margins (per prompt, at the first token
+that differs from greedy's: how far the backbone preferred greedy's token, in nats and in the dtype's
+rounding steps), max_divergence_ulps / _nats, divergences_judged and divergences_at_near_ties.
+Top level: step_cost (forward over k+1 tokens / over 1), the heads' training-time val/sim_tau next
+to the measured tau, the prompts skipped as too long, dtype, "divergence" (one line per lossless
+mode that is not identical to greedy: rounding at near-ties, or tokens the backbone did not choose),
+and "decoder": the matmul layout, dtype, verify cost curve and the trees weighed against it
+(docs/decoding.md).
 
 Timing runs in eval.rounds rounds; in each, every prompt is decoded by HF generate and every mode in
 an order that rotates with the prompt and the round, so no mode always runs first. Outputs and
@@ -36,7 +41,7 @@ import torch
 
 from mtp_train.artifacts import write_json_atomic
 from mtp_train.backbone import eos_ids
-from mtp_train.choices import EVAL_MODES
+from mtp_train.choices import EVAL_MODES, LOSSLESS_EVAL_MODES
 from mtp_train.errors import DataError
 from mtp_train.layout import ACCEPTANCE_PNG, EVAL_REPORT, MANIFEST, SPEEDUP_PNG, VERIFY_COSTS_PNG
 
@@ -190,6 +195,25 @@ def backbone_nll(backbone, prompt: list[int], output: list[int]) -> float:
     return float(-logp.gather(-1, ids[0, len(prompt):, None]).mean())
 
 
+def divergence_margin(backbone, prompt: list[int], reference: list[int], output: list[int]) -> dict | None:
+    """Where `output` first leaves `reference` (greedy), how far the backbone preferred the reference's
+    token there, from one teacher-forced forward over the prompt and the shared prefix: `nats`, the
+    logit (= log-probability) difference, and `ulps`, that difference over the model dtype's rounding
+    step at those logits (eps x the larger |logit|). Lossless decoding that diverges only by rounding
+    (a multi-token bf16 forward against a one-token one) leaves near-ties of a few rounding steps; a
+    wrong verification leaves a token the backbone did not want, nats and hundreds of steps behind.
+    None when the two are identical or one stops where the other goes on (no competing token)."""
+    at = first_divergence(output, reference)
+    if at is None or at >= min(len(output), len(reference)):
+        return None
+    ids = torch.tensor([prompt + reference[:at]], device=backbone.device)
+    with torch.inference_mode():
+        logits = backbone.logits(backbone.hidden_states(ids)[0, -1])
+    eps = torch.finfo(logits.dtype).eps
+    want, got = float(logits[reference[at]]), float(logits[output[at]])
+    return {"nats": want - got, "ulps": (want - got) / (eps * max(abs(want), abs(got), 1.0))}
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """First position where a and b differ (None when identical)."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
@@ -327,6 +351,48 @@ def plausibility_flags(report: dict) -> list[str]:
     return flags
 
 
+# A lossless mode's output may leave greedy's only where the backbone's two tokens are within this many
+# rounding steps of each other (`divergence_margin`'s ulps). Measured on SmolLM2 in bf16 (2-core AVX-512
+# EPYC, 20 unseen prompts): verify's and tree's 16 divergences had margins of 0 to 2.9 steps (0 to 0.375
+# nats); a token the backbone did not choose trails by nats, tens to hundreds of steps.
+ROUNDING_ULPS = 8
+
+
+def divergence_summary(backbone, prompts: list[list[int]], greedy: list[list[int]],
+                       outputs: list[list[int]]) -> dict:
+    """For a lossless mode: the margin (`divergence_margin`) at each output's first difference from
+    greedy, the largest (by size, in rounding steps), and how many differ only at a near-tie (<= ROUNDING_ULPS)."""
+    margins = [divergence_margin(backbone, p, g, o) for p, g, o in zip(prompts, greedy, outputs, strict=True)]
+    judged = [m for m in margins if m is not None]
+    worst = max(judged, key=lambda m: abs(m["ulps"]), default={"ulps": None, "nats": None})
+    return {"divergence_margins": margins,
+            "max_divergence_ulps": worst["ulps"], "max_divergence_nats": worst["nats"],
+            "divergences_at_near_ties": sum(abs(m["ulps"]) <= ROUNDING_ULPS for m in judged),
+            "divergences_judged": len(judged)}
+
+
+def divergence_lines(report: dict) -> list[str]:
+    """One line per lossless mode whose outputs are not all greedy's: either every difference sits at
+    a near-tie (rounding; float32 decoding gives identical output) or some output left greedy's
+    where greedy's token clearly led, i.e. a verification accepted a token the backbone did not choose."""
+    lines = []
+    for name, d in report["details"].items():
+        judged = d.get("divergences_judged")
+        if not judged:
+            continue
+        n, ties = report["modes"][name]["n_prompts"], d["divergences_at_near_ties"]
+        worst = f"{d['max_divergence_nats']:.3f} nats, {d['max_divergence_ulps']:.1f} rounding steps"
+        if ties == judged:
+            lines.append(f"{name}: {judged} of {n} outputs leave greedy's, each at a near-tie (greedy's token leads "
+                         f"by at most {worst}): rounding of multi-token forwards in {report.get('dtype', 'this dtype')}, "
+                         "not a verification error; eval.dtype=float32 decodes bit-identical output")
+        else:
+            lines.append(f"{name}: {judged - ties} of {n} outputs leave greedy's where greedy's token led by more than "
+                         f"{ROUNDING_ULPS} rounding steps (up to {worst}): this lossless mode accepted tokens the "
+                         "backbone did not choose")
+    return lines
+
+
 def round_order(names: list[str], prompt_index: int, round_index: int) -> list[str]:
     """The order in which HF generate and the modes decode one prompt in one round: a rotation by
     prompt index + round index, so that no one of them always runs first (or always last)."""
@@ -412,17 +478,22 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
             [backbone_nll(backbone, p, o) for p, o in zip(prompts, outs, strict=True)], k,
             round_tokens=new_tokens[name])
         report["details"][name]["nondeterministic"] = name in nondeterministic
+        if name in LOSSLESS_EVAL_MODES and name != "greedy":
+            report["details"][name].update(divergence_summary(backbone, prompts, greedy, outs))
     report["eos"] = eos
+    dtype_name = str(backbone.model.dtype).replace("torch.", "")
     report["step_cost"] = costs[-1]
     report["step_costs"] = costs
     if plan:
-        report["decoder"] = {"matmul_layout": mm.describe(), "dtype": str(backbone.model.dtype).replace("torch.", ""),
+        report["decoder"] = {"matmul_layout": mm.describe(), "dtype": dtype_name,
                              "verify_costs": _json_keys(plan["curve"]), "trees": plan["summary"]}
     report["k"] = k
     report["sim_tau"] = sim_tau
     report["rounds"] = rounds
+    report["dtype"] = dtype_name
     report["flags"] = plausibility_flags(report)
-    for line in report["flags"]:
+    report["divergence"] = divergence_lines(report)
+    for line in report["flags"] + report["divergence"]:
         log.warning("%s", line)
     return report, outputs | {"hf_generate": hf_out}
 
@@ -622,6 +693,8 @@ def print_table(report: dict) -> None:
         console.print(f"speedup: median of {report['rounds']} timing rounds (min-max in brackets)")
     for line in report.get("flags") or []:
         console.print(f"[bold red]flag[/]: {line}", highlight=False, soft_wrap=True)
+    for line in report.get("divergence") or []:
+        console.print(f"[bold yellow]not identical to greedy[/]: {line}", highlight=False, soft_wrap=True)
 
 
 def format_speedup(mode: dict, details: dict | None) -> str:

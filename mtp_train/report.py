@@ -51,7 +51,10 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
         m = modes[mode]
         same = m.get("identical_to_greedy")
         note = ", speedup implausible (flagged)" if mode in flagged else ""
-        rows.append((what, f">= {want}x", f"{m['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical")
+        d = (report.get("details") or {}).get(mode) or {}
+        ties = (f" ({d['divergences_judged']} differ, all at near-ties: {report.get('dtype')} rounding)"
+                if d.get("divergences_judged") and d["divergences_at_near_ties"] == d["divergences_judged"] else "")
+        rows.append((what, f">= {want}x", f"{m['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical" + ties)
                      + note, bool(same) and m["speedup_vs_hf"] >= want and not note))
         return m, note
 
@@ -321,6 +324,11 @@ def write_report(run_root: str | Path) -> Path:
                    "than 1.15 x tau x our greedy's speedup; these speedups do not measure the mode):", ""]
             md += [f"- {line}" for line in flags]
             md.append("")
+        if lines := report.get("divergence"):
+            md += ["**Lossless modes whose output is not greedy's** (the margin is how far the backbone preferred "
+                   "greedy's token where the two first differ):", ""]
+            md += [f"- {line}" for line in lines]
+            md.append("")
         md += _decoder_section(report)
         for name in layout.EVAL_PLOTS:
             if (ev / name).is_file():
@@ -395,6 +403,7 @@ def summary(run_root: str | Path) -> str:
     lines = [f"  {mode:<12} {format_speedup(r, (report.get('details') or {}).get(mode))}  tau {r['tau']:.2f}  "
              f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}" for mode, r in report["modes"].items()]
     lines += [f"  flag: {line}" for line in report.get("flags") or []]
+    lines += [f"  not identical to greedy: {line}" for line in report.get("divergence") or []]
     clp = layout.pipeline_dirs(run_root)[1]
     bounds = (_json(layout.predictor_dir(clp, "clp") / layout.CLP_META) or {}).get("bounds")
     lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"

@@ -10,7 +10,15 @@ import torch
 
 from mtp_train import layout
 from mtp_train.errors import MtpError
-from mtp_train.evaluate import backbone_nll, first_divergence, repetition_ratio
+from mtp_train.evaluate import (
+    ROUNDING_ULPS,
+    backbone_nll,
+    divergence_lines,
+    divergence_margin,
+    divergence_summary,
+    first_divergence,
+    repetition_ratio,
+)
 from tests.helpers import run_eval, wandb_offline_runs
 
 CORE_KEYS = {"tau", "alpha", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
@@ -39,6 +47,56 @@ def test_backbone_nll_equals_a_token_by_token_loop(tiny_backbone):
             logp = torch.log_softmax(bb.model(ids).logits[0, -1].double(), -1)
         ref.append(-float(logp[t]))
     assert backbone_nll(bb, prompt, out) == pytest.approx(sum(ref) / len(ref), rel=1e-4)
+
+
+def test_divergence_margin_is_the_logit_gap_of_a_direct_forward(tiny_backbone):
+    bb = tiny_backbone
+    prompt = [5, 9, 17, 3]
+
+    def logits_after(ids):
+        with torch.no_grad():
+            return bb.model(torch.tensor([ids])).logits[0, -1].float()
+
+    greedy = []
+    for _ in range(5):  # the tiny model's own greedy answer, by a plain loop
+        greedy.append(int(logits_after(prompt + greedy).argmax()))
+    at_2 = logits_after(prompt + greedy[:2])
+    ranked = at_2.argsort(descending=True).tolist()
+    worst = [*greedy[:2], ranked[-1], *greedy[3:]]  # a token the backbone ranks last, at position 2
+    runner_up = [*greedy[:2], ranked[1]]  # greedy's second choice there, then the output stops
+
+    m = divergence_margin(bb, prompt, greedy, worst)
+    assert m["nats"] == pytest.approx(float(at_2[ranked[0]] - at_2[ranked[-1]]), abs=1e-4)
+    eps = torch.finfo(torch.float32).eps
+    assert m["ulps"] == pytest.approx(m["nats"] / (eps * max(abs(at_2[ranked[0]]), abs(at_2[ranked[-1]]), 1.0)),
+                                      rel=1e-4)
+    assert m["ulps"] > ROUNDING_ULPS  # a float32 forward resolves the tiny model's top and bottom apart
+    gap = divergence_margin(bb, prompt, greedy, runner_up)["nats"]
+    assert 0 <= gap <= m["nats"] and gap == pytest.approx(float(at_2[ranked[0]] - at_2[ranked[1]]), abs=1e-4)
+    assert divergence_margin(bb, prompt, greedy, list(greedy)) is None  # identical
+    assert divergence_margin(bb, prompt, greedy, greedy[:3]) is None  # stopped early: no competing token
+
+    s = divergence_summary(bb, [prompt] * 3, [greedy] * 3, [greedy, worst, runner_up])
+    assert s["divergences_judged"] == 2 and s["divergence_margins"][0] is None
+    assert s["max_divergence_ulps"] == pytest.approx(m["ulps"]) and s["max_divergence_nats"] == pytest.approx(m["nats"])
+    assert s["divergences_at_near_ties"] == int(abs(s["divergence_margins"][2]["ulps"]) <= ROUNDING_ULPS)
+
+
+def test_divergence_lines_tell_rounding_from_a_wrong_verification():
+    def details(ulps):
+        judged = [{"nats": u / 8, "ulps": u} for u in ulps]
+        worst = max(judged, key=lambda m: abs(m["ulps"]), default={"ulps": None, "nats": None})
+        return {"divergence_margins": judged, "max_divergence_ulps": worst["ulps"],
+                "max_divergence_nats": worst["nats"], "divergences_judged": len(judged),
+                "divergences_at_near_ties": sum(abs(u) <= ROUNDING_ULPS for u in ulps)}
+
+    report = {"dtype": "bfloat16", "modes": {m: {"n_prompts": 20} for m in ("hf_generate", "verify", "tree", "dynamic")},
+              "details": {"hf_generate": {}, "verify": details([0.0, -1.0, 2.9]), "tree": details([0.5, 40.0]),
+                          "dynamic": details([])}}
+    lines = divergence_lines(report)
+    assert len(lines) == 2  # nothing for a mode identical to greedy, nor for HF itself
+    assert lines[0].startswith("verify: 3 of 20 outputs") and "near-tie" in lines[0] and "bfloat16" in lines[0]
+    assert lines[1].startswith("tree: 1 of 20 outputs") and "did not choose" in lines[1] and "40.0" in lines[1]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +137,8 @@ def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_head
         assert m["n_prompts"] == 3 and 3 <= m["new_tokens"] <= 36
     v = saved["modes"]["verify"]
     assert v["identical_to_greedy"] is True and v["greedy_match_rate"] == 1.0
+    assert saved["details"]["verify"]["divergences_judged"] == 0 and saved["divergence"] == []
+    assert "divergences_judged" not in saved["details"]["relaxed"]  # lossy modes are not judged
     assert saved["modes"]["relaxed"]["identical_to_greedy"] is True  # budget 0 = verify
     assert 1.0 <= v["tau"] <= 3.0 and len(v["alpha"]) == 2
     assert saved["modes"]["greedy"]["backbone_nll"] == pytest.approx(v["backbone_nll"])

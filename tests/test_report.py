@@ -43,7 +43,10 @@ def test_report_targets_say_met_only_when_every_condition_holds():
                      "clp": mode(1.6, 1.9, 0.25, 0.65)}}  # lossy "verify"; clp repeats +0.05
     rows = target_rows(bad, 31 * 60)
     assert [met for *_, met in rows] == [False, True, False, False]
-    assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2]
+    assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2] and "near-ties" not in rows[0][2]
+    rounding = {**bad, "dtype": "bfloat16", "details": {"verify": {"divergences_judged": 3, "divergences_at_near_ties": 3}}}
+    rows = target_rows(rounding, None)
+    assert rows[0][3] is False and "NOT identical (3 differ, all at near-ties: bfloat16 rounding)" in rows[0][2]
     assert target_rows(bad, None, {"max_repetition_increase": 0.06})[2][3] is True  # the run's own bounds
 
 
