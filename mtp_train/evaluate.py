@@ -11,7 +11,8 @@ the faster of fp32 and bf16 HF generate, from `hf_dtype_probe`). Under "details"
 first_divergence (mean first differing position over outputs that differ), wall_s, prefill_s,
 decode_s and accept_hist; for lossless modes also divergence_margins (per prompt, at the first token
 that differs from greedy's: how far the backbone preferred greedy's token, in nats and in the dtype's
-rounding steps), max_divergence_ulps / _nats, divergences_judged and divergences_at_near_ties.
+rounding steps), max_divergence_ulps / _nats, and the differences counted by kind: divergences,
+divergences_judged, divergences_at_near_ties, divergences_greedy_led, divergences_mode_led.
 Top level: step_cost (forward over k+1 tokens / over 1), the heads' training-time val/sim_tau next
 to the measured tau, the prompts skipped as too long, dtype, "divergence" (one line per lossless
 mode that is not identical to greedy: rounding at near-ties, or tokens the backbone did not choose),
@@ -361,35 +362,56 @@ ROUNDING_ULPS = 8
 def divergence_summary(backbone, prompts: list[list[int]], greedy: list[list[int]],
                        outputs: list[list[int]]) -> dict:
     """For a lossless mode: the margin (`divergence_margin`) at each output's first difference from
-    greedy, the largest (by size, in rounding steps), and how many differ only at a near-tie (<= ROUNDING_ULPS)."""
+    greedy, and the differences counted by kind: `divergences` (outputs not identical), of them
+    `divergences_judged` (a competing token to compare; not one output stopping earlier),
+    `divergences_at_near_ties` (|ulps| <= ROUNDING_ULPS), `divergences_greedy_led` (greedy's token
+    ahead by more: the mode accepted a token the backbone did not choose) and
+    `divergences_mode_led` (the mode's token ahead by more: the greedy reference is the suspect);
+    `max_divergence_ulps` / `_nats`: the largest margin by size, with its sign."""
     margins = [divergence_margin(backbone, p, g, o) for p, g, o in zip(prompts, greedy, outputs, strict=True)]
+    return count_divergences(margins, sum(o != g for g, o in zip(greedy, outputs, strict=True)))
+
+
+def count_divergences(margins: list[dict | None], differ: int) -> dict:
+    """`divergence_summary`'s counts from the margins (None: identical or not judged) and the number
+    of outputs that differ."""
     judged = [m for m in margins if m is not None]
     worst = max(judged, key=lambda m: abs(m["ulps"]), default={"ulps": None, "nats": None})
     return {"divergence_margins": margins,
             "max_divergence_ulps": worst["ulps"], "max_divergence_nats": worst["nats"],
+            "divergences": differ, "divergences_judged": len(judged),
             "divergences_at_near_ties": sum(abs(m["ulps"]) <= ROUNDING_ULPS for m in judged),
-            "divergences_judged": len(judged)}
+            "divergences_greedy_led": sum(m["ulps"] > ROUNDING_ULPS for m in judged),
+            "divergences_mode_led": sum(m["ulps"] < -ROUNDING_ULPS for m in judged)}
 
 
 def divergence_lines(report: dict) -> list[str]:
-    """One line per lossless mode whose outputs are not all greedy's: either every difference sits at
-    a near-tie (rounding; float32 decoding gives identical output) or some output left greedy's
-    where greedy's token clearly led, i.e. a verification accepted a token the backbone did not choose."""
+    """One line per lossless mode whose outputs are not all greedy's, saying what kind of difference
+    each is (`divergence_summary`): near-ties (rounding of multi-token forwards), tokens the backbone
+    did not choose (a verification error), a greedy reference the backbone disagrees with, or an
+    output that stops where the other goes on."""
     lines = []
     for name, d in report["details"].items():
-        judged = d.get("divergences_judged")
-        if not judged:
+        differ = d.get("divergences")
+        if not differ:
             continue
-        n, ties = report["modes"][name]["n_prompts"], d["divergences_at_near_ties"]
-        worst = f"{d['max_divergence_nats']:.3f} nats, {d['max_divergence_ulps']:.1f} rounding steps"
-        if ties == judged:
-            lines.append(f"{name}: {judged} of {n} outputs leave greedy's, each at a near-tie (greedy's token leads "
-                         f"by at most {worst}): rounding of multi-token forwards in {report.get('dtype', 'this dtype')}, "
-                         "not a verification error; eval.dtype=float32 decodes bit-identical output")
-        else:
-            lines.append(f"{name}: {judged - ties} of {n} outputs leave greedy's where greedy's token led by more than "
-                         f"{ROUNDING_ULPS} rounding steps (up to {worst}): this lossless mode accepted tokens the "
-                         "backbone did not choose")
+        n, ties, judged = report["modes"][name]["n_prompts"], d["divergences_at_near_ties"], d["divergences_judged"]
+        parts = []
+        if ties:
+            parts.append(f"{ties} at near-ties (within {ROUNDING_ULPS} rounding steps): rounding of multi-token "
+                         f"forwards in {report.get('dtype', 'this dtype')}, not a verification error "
+                         "(eval.dtype=float32 avoids it)")
+        if d["divergences_greedy_led"]:
+            parts.append(f"{d['divergences_greedy_led']} where greedy's token led by more: this lossless mode "
+                         "accepted tokens the backbone did not choose")
+        if d["divergences_mode_led"]:
+            parts.append(f"{d['divergences_mode_led']} where the mode's token led by more: the greedy reference "
+                         "chose a token the backbone ranks lower")
+        if differ > judged:
+            parts.append(f"{differ - judged} where one output stops and the other goes on (not judged)")
+        worst = (f"; largest margin {d['max_divergence_nats']:+.3f} nats, {d['max_divergence_ulps']:+.1f} steps"
+                 if judged else "")
+        lines.append(f"{name}: {differ} of {n} outputs leave greedy's: " + "; ".join(parts) + worst)
     return lines
 
 

@@ -13,6 +13,7 @@ from mtp_train.errors import MtpError
 from mtp_train.evaluate import (
     ROUNDING_ULPS,
     backbone_nll,
+    count_divergences,
     divergence_lines,
     divergence_margin,
     divergence_summary,
@@ -76,27 +77,32 @@ def test_divergence_margin_is_the_logit_gap_of_a_direct_forward(tiny_backbone):
     assert divergence_margin(bb, prompt, greedy, list(greedy)) is None  # identical
     assert divergence_margin(bb, prompt, greedy, greedy[:3]) is None  # stopped early: no competing token
 
-    s = divergence_summary(bb, [prompt] * 3, [greedy] * 3, [greedy, worst, runner_up])
-    assert s["divergences_judged"] == 2 and s["divergence_margins"][0] is None
+    s = divergence_summary(bb, [prompt] * 4, [greedy] * 4, [greedy, worst, runner_up, greedy[:3]])
+    assert s["divergences"] == 3 and s["divergences_judged"] == 2  # the early stop differs, unjudged
+    assert s["divergence_margins"][0] is None and s["divergence_margins"][3] is None
     assert s["max_divergence_ulps"] == pytest.approx(m["ulps"]) and s["max_divergence_nats"] == pytest.approx(m["nats"])
-    assert s["divergences_at_near_ties"] == int(abs(s["divergence_margins"][2]["ulps"]) <= ROUNDING_ULPS)
+    near = abs(s["divergence_margins"][2]["ulps"]) <= ROUNDING_ULPS
+    assert s["divergences_at_near_ties"] == int(near) and s["divergences_greedy_led"] == 2 - int(near)
+    assert s["divergences_mode_led"] == 0
 
 
 def test_divergence_lines_tell_rounding_from_a_wrong_verification():
-    def details(ulps):
-        judged = [{"nats": u / 8, "ulps": u} for u in ulps]
-        worst = max(judged, key=lambda m: abs(m["ulps"]), default={"ulps": None, "nats": None})
-        return {"divergence_margins": judged, "max_divergence_ulps": worst["ulps"],
-                "max_divergence_nats": worst["nats"], "divergences_judged": len(judged),
-                "divergences_at_near_ties": sum(abs(u) <= ROUNDING_ULPS for u in ulps)}
+    def details(ulps, unjudged=0):
+        return count_divergences([{"nats": u / 8, "ulps": u} for u in ulps] + [None] * unjudged, len(ulps) + unjudged)
 
     report = {"dtype": "bfloat16", "modes": {m: {"n_prompts": 20} for m in ("hf_generate", "verify", "tree", "dynamic")},
-              "details": {"hf_generate": {}, "verify": details([0.0, -1.0, 2.9]), "tree": details([0.5, 40.0]),
+              "details": {"hf_generate": {}, "verify": details([0.0, -1.0, 2.9]), "tree": details([0.5, 40.0, -30.0], 1),
                           "dynamic": details([])}}
+    assert report["details"]["tree"]["max_divergence_ulps"] == 40.0  # by size, sign kept
     lines = divergence_lines(report)
     assert len(lines) == 2  # nothing for a mode identical to greedy, nor for HF itself
-    assert lines[0].startswith("verify: 3 of 20 outputs") and "near-tie" in lines[0] and "bfloat16" in lines[0]
-    assert lines[1].startswith("tree: 1 of 20 outputs") and "did not choose" in lines[1] and "40.0" in lines[1]
+    verify, tree = lines
+    assert verify.startswith("verify: 3 of 20 outputs leave greedy's: 3 at near-ties") and "bfloat16" in verify
+    assert "did not choose" not in verify and "+2.9 steps" in verify
+    assert tree.startswith("tree: 4 of 20 outputs leave greedy's: 1 at near-ties")
+    assert "1 where greedy's token led by more: this lossless mode accepted tokens the backbone did not choose" in tree
+    assert "1 where the mode's token led by more: the greedy reference" in tree
+    assert "1 where one output stops and the other goes on" in tree and "+40.0 steps" in tree
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +143,7 @@ def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_head
         assert m["n_prompts"] == 3 and 3 <= m["new_tokens"] <= 36
     v = saved["modes"]["verify"]
     assert v["identical_to_greedy"] is True and v["greedy_match_rate"] == 1.0
-    assert saved["details"]["verify"]["divergences_judged"] == 0 and saved["divergence"] == []
+    assert saved["details"]["verify"]["divergences"] == 0 and saved["divergence"] == []
     assert "divergences_judged" not in saved["details"]["relaxed"]  # lossy modes are not judged
     assert saved["modes"]["relaxed"]["identical_to_greedy"] is True  # budget 0 = verify
     assert 1.0 <= v["tau"] <= 3.0 and len(v["alpha"]) == 2

@@ -44,9 +44,11 @@ def test_report_targets_say_met_only_when_every_condition_holds():
     rows = target_rows(bad, 31 * 60)
     assert [met for *_, met in rows] == [False, True, False, False]
     assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2] and "near-ties" not in rows[0][2]
-    rounding = {**bad, "dtype": "bfloat16", "details": {"verify": {"divergences_judged": 3, "divergences_at_near_ties": 3}}}
+    rounding = {**bad, "dtype": "bfloat16", "details": {"verify": {"divergences": 3, "divergences_at_near_ties": 3}}}
     rows = target_rows(rounding, None)
     assert rows[0][3] is False and "NOT identical (3 differ, all at near-ties: bfloat16 rounding)" in rows[0][2]
+    rounding["details"]["verify"]["divergences"] = 4  # one more, not a near-tie: no rounding excuse
+    assert target_rows(rounding, None)[0][2].endswith("output NOT identical")
     assert target_rows(bad, None, {"max_repetition_increase": 0.06})[2][3] is True  # the run's own bounds
 
 
@@ -111,6 +113,11 @@ def test_report_page_shows_spread_and_flags_and_summary_says_not_met(tmp_path):
     text = summary(tmp_path)
     assert f"flag: {flag}" in text and "1.21x (1.15-1.30)" in text
     assert "target NOT met: clp" in text and "target met: clp" not in text
+    assert "not greedy's" not in page and "not identical to greedy" not in text  # a report from before the check
+    report["divergence"] = ["verify: 2 of 2 outputs leave greedy's: 2 at near-ties (within 8 rounding steps)"]
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    assert f"- {report['divergence'][0]}" in write_report(tmp_path).read_text()
+    assert f"not identical to greedy: {report['divergence'][0]}" in summary(tmp_path)
 
 
 def test_report_never_meets_clp_with_an_uncalibrated_predictor_beside_it(tmp_path):
