@@ -14,7 +14,7 @@ that differs from greedy's: how far the backbone preferred greedy's token, in na
 rounding steps), max_divergence_ulps / _nats, and the differences counted by kind: divergences,
 divergences_judged, divergences_at_near_ties, divergences_greedy_led, divergences_mode_led.
 Top level: step_cost (forward over k+1 tokens / over 1), the heads' training-time val/sim_tau next
-to the measured tau, the prompts skipped as too long, dtype, "divergence" (one line per lossless
+to the measured tau, the prompts skipped as too long, "divergence" (one line per lossless
 mode that is not identical to greedy: rounding at near-ties, or tokens the backbone did not choose),
 and "decoder": the matmul layout, dtype, verify cost curve and the trees weighed against it
 (docs/decoding.md).
@@ -399,7 +399,7 @@ def divergence_lines(report: dict) -> list[str]:
         parts = []
         if ties:
             parts.append(f"{ties} at near-ties (within {ROUNDING_ULPS} rounding steps): rounding of multi-token "
-                         f"forwards in {report.get('dtype', 'this dtype')}, not a verification error "
+                         f"forwards in {(report.get('decoder') or {}).get('dtype', 'this dtype')}, not a verification error "
                          "(eval.dtype=float32 avoids it)")
         if d["divergences_greedy_led"]:
             parts.append(f"{d['divergences_greedy_led']} where greedy's token led by more: this lossless mode "
@@ -503,16 +503,14 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
         if name in LOSSLESS_EVAL_MODES and name != "greedy":
             report["details"][name].update(divergence_summary(backbone, prompts, greedy, outs))
     report["eos"] = eos
-    dtype_name = str(backbone.model.dtype).replace("torch.", "")
     report["step_cost"] = costs[-1]
     report["step_costs"] = costs
     if plan:
-        report["decoder"] = {"matmul_layout": mm.describe(), "dtype": dtype_name,
+        report["decoder"] = {"matmul_layout": mm.describe(), "dtype": str(backbone.model.dtype).replace("torch.", ""),
                              "verify_costs": _json_keys(plan["curve"]), "trees": plan["summary"]}
     report["k"] = k
     report["sim_tau"] = sim_tau
     report["rounds"] = rounds
-    report["dtype"] = dtype_name
     report["flags"] = plausibility_flags(report)
     report["divergence"] = divergence_lines(report)
     for line in report["flags"] + report["divergence"]:

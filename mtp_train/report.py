@@ -52,7 +52,7 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
         same = m.get("identical_to_greedy")
         note = ", speedup implausible (flagged)" if mode in flagged else ""
         d = (report.get("details") or {}).get(mode) or {}
-        ties = (f" ({d['divergences']} differ, all at near-ties: {report.get('dtype')} rounding)"
+        ties = (f" ({d['divergences']} differ, all at near-ties: {(report.get('decoder') or {}).get('dtype')} rounding)"
                 if d.get("divergences") and d["divergences_at_near_ties"] == d["divergences"] else "")
         rows.append((what, f">= {want}x", f"{m['speedup_vs_hf']:.2f}x" + ("" if same else ", output NOT identical" + ties)
                      + note, bool(same) and m["speedup_vs_hf"] >= want and not note))

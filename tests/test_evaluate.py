@@ -90,7 +90,7 @@ def test_divergence_lines_tell_rounding_from_a_wrong_verification():
     def details(ulps, unjudged=0):
         return count_divergences([{"nats": u / 8, "ulps": u} for u in ulps] + [None] * unjudged, len(ulps) + unjudged)
 
-    report = {"dtype": "bfloat16", "modes": {m: {"n_prompts": 20} for m in ("hf_generate", "verify", "tree", "dynamic")},
+    report = {"decoder": {"dtype": "bfloat16"}, "modes": {m: {"n_prompts": 20} for m in ("hf_generate", "verify", "tree", "dynamic")},
               "details": {"hf_generate": {}, "verify": details([0.0, -1.0, 2.9]), "tree": details([0.5, 40.0, -30.0], 1),
                           "dynamic": details([])}}
     assert report["details"]["tree"]["max_divergence_ulps"] == 40.0  # by size, sign kept

@@ -44,7 +44,7 @@ def test_report_targets_say_met_only_when_every_condition_holds():
     rows = target_rows(bad, 31 * 60)
     assert [met for *_, met in rows] == [False, True, False, False]
     assert "NOT identical" in rows[0][2] and "+0.050" in rows[2][2] and "near-ties" not in rows[0][2]
-    rounding = {**bad, "dtype": "bfloat16", "details": {"verify": {"divergences": 3, "divergences_at_near_ties": 3}}}
+    rounding = {**bad, "decoder": {"dtype": "bfloat16"}, "details": {"verify": {"divergences": 3, "divergences_at_near_ties": 3}}}
     rows = target_rows(rounding, None)
     assert rows[0][3] is False and "NOT identical (3 differ, all at near-ties: bfloat16 rounding)" in rows[0][2]
     rounding["details"]["verify"]["divergences"] = 4  # one more, not a near-tie: no rounding excuse
