@@ -21,10 +21,8 @@ import sys
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.cli.common import compose_config
 
 
 @torch.no_grad()
@@ -65,12 +63,10 @@ def spread(xs: list[float]) -> str:
 def main(argv: list[str]) -> int:
     import dataclasses
 
-    from datasets import load_from_disk
-
     from data_prep.distill import _generate_shard
     from mtp_train import layout
     from mtp_train.backbone import cpu_has_native_bf16, load_backbone
-    from mtp_train.evaluate import cpu_model
+    from mtp_train.evaluation.machine import cpu_model
     from mtp_train.layout import distilled_dir, labelled_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,8 +74,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="prompts distilled per variant")
     ap.add_argument("--rounds", type=int, default=2)
     args, overrides = ap.parse_known_args(argv)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = validate(compose("config", overrides=["paths.output_dir=outputs/bench", *overrides]))
+    cfg = compose_config(["experiment=smollm2_demo", "paths.output_dir=outputs/bench", *overrides])
+    from datasets import load_from_disk  # after compose_config, which puts the hub offline
+
     backbone = load_backbone(cfg.backbone)
     max_length = layout.max_length(cfg)
     rows = []

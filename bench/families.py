@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtp_train.entry import compose_config as config
+from mtp_train.cli.common import compose_config as config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every family (default experiment=smollm2_demo)")
     args = ap.parse_args(argv)
     from data_prep.stages import run_prep
-    from mtp_train.evaluate import cpu_model
+    from mtp_train.evaluation.machine import cpu_model
     from mtp_train.pipeline.evaluation import run_eval
     from mtp_train.pipeline.training import run_train
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config([*base, f"heads={fam}", f"paths.output_dir={train_dir}"])
         run_prep(dataclasses.replace(cfg, stage="cache"))
         run_train(cfg)
-        report = run_eval(config([*base, f"heads={fam}", f"paths.output_dir={eval_dir}", f"eval.heads={train_dir}",
+        report = run_eval(config([*base, f"heads={fam}", f"paths.output_dir={eval_dir}", f"eval.train_run={train_dir}",
                                   "eval.modes=[verify,tree]", "eval.prompt_source=unseen"]))
         meta = json.loads((train_dir / "heads.json").read_text())
         m = meta["metrics"]

@@ -24,7 +24,7 @@ commands=(
   "train_gpu|$BIN/mtp-train $EXP trainer=gpu trainer.max_steps=$STEPS trainer.val_check_interval=$STEPS hydra.run.dir=$OUT/gpu"
   "train_deepspeed2|$BIN/mtp-train $EXP trainer=deepspeed_stage_2 trainer.devices=1 trainer.max_steps=$STEPS trainer.val_check_interval=$STEPS hydra.run.dir=$OUT/ds2"
   "export|$BIN/mtp-export-heads $OUT/ds2"
-  "eval|$BIN/mtp-eval $EXP eval.heads=$OUT/ds2 eval.modes=[verify,tree] eval.n_prompts=20 eval.rounds=1 hydra.run.dir=$OUT/eval"
+  "eval|$BIN/mtp-eval $EXP eval.train_run=$OUT/ds2 eval.modes=[verify,tree] eval.n_prompts=20 eval.rounds=1 hydra.run.dir=$OUT/eval"
 )
 
 if [ "${1:-}" = "--compose-only" ]; then

@@ -20,10 +20,8 @@ import sys
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.cli.common import compose_config
 
 
 def padded_slots(lengths: list[int], order: list[int], batch: int) -> tuple[int, int]:
@@ -38,18 +36,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed steps per setting and round")
     ap.add_argument("--rounds", type=int, default=3)
     args, overrides = ap.parse_known_args(argv)
+    # first: it puts the hub offline; the demo's recipe unless another experiment is named
+    cfg = compose_config(["experiment=smollm2_demo", "paths.output_dir=outputs/bench", *overrides])
     from data_prep.stages import run_prep
     from mtp_train import layout
     from mtp_train.backbone import load_backbone
-    from mtp_train.evaluate import cpu_model
-    from mtp_train.heads import build_heads
+    from mtp_train.data.prepared import open_cache
+    from mtp_train.evaluation.machine import cpu_model
+    from mtp_train.heads.persist import build_heads
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
-    from mtp_train.pipeline.prepared import open_cache
     from mtp_train.pipeline.training import draft_vocab_for
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = validate(compose("config", overrides=["paths.output_dir=outputs/bench", *overrides]))
     run_prep(dataclasses.replace(cfg, stage="all"))  # skips itself when up to date
     backbone = load_backbone(cfg.backbone)
     cache, draft_ids = open_cache(cfg, backbone), draft_vocab_for(cfg, backbone)

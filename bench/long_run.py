@@ -22,10 +22,8 @@ import sys
 from pathlib import Path
 
 from mtp_train import layout
-from mtp_train.entry import compose_config
-
-# the targets at the end of the long run (issue 14)
-TARGETS = {"agree_d1": 0.5, "tree_speedup": 2.0, "clp_speedup": 1.2}
+from mtp_train.cli.common import compose_config
+from mtp_train.goals import LONG_RUN as TARGETS  # the goals at the long run's last point
 
 
 def _cfg(overrides: list[str]):
@@ -44,13 +42,13 @@ def run_point(out: Path, fraction: float, prompts: int, overrides: list[str], so
     run = out / f"f{fraction:g}"
     run_train(_cfg([*overrides, f"train.data_fraction={fraction}", f"trainer.max_steps={steps}",
                     f"trainer.val_check_interval={max(1, steps // 3)}", f"paths.output_dir={run}/train"]))
-    run_clp(_cfg([*overrides, f"clp.heads={run}/train", f"paths.output_dir={run}/clp"]))
-    report = run_eval(_cfg([*overrides, f"eval.heads={run}/train", f"eval.clp={run}/clp/clp",
+    run_clp(_cfg([*overrides, f"clp.train_run={run}/train", f"paths.output_dir={run}/clp"]))
+    report = run_eval(_cfg([*overrides, f"eval.train_run={run}/train", f"eval.clp_run={run}/clp",
                             "eval.modes=[verify,tree,clp]", f"eval.prompt_source={source}",
                             f"eval.n_prompts={prompts}", f"paths.output_dir={run}/eval"]))
     heads = json.loads((layout.pipeline_dirs(run)[0] / layout.HEADS_META).read_text())
     modes = report["modes"]
-    clp_meta = json.loads((layout.predictor_dir(layout.pipeline_dirs(run)[1], "clp") / layout.CLP_META).read_text())
+    clp_meta = json.loads((layout.predictor_dir(layout.pipeline_dirs(run)[1], "clp") / layout.PREDICTOR_META).read_text())
     bounds, c, ref = clp_meta.get("bounds") or {}, modes["clp"], modes["hf_generate"]
     within = (c["repetition_ratio"] - ref["repetition_ratio"] <= bounds.get("max_repetition_increase", 0.02) + 1e-9
               and c["backbone_nll"] - ref["backbone_nll"] <= bounds.get("max_nll_increase", 0.1) + 1e-9)

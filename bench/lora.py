@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtp_train.entry import compose_config as config
+from mtp_train.cli.common import compose_config as config
 
 POINTS = {"frozen": [], "frozen_adamtp": ["loss.adamtp=true"],
           "lora": ["backbone.lora.enabled=true"],
@@ -40,7 +40,7 @@ def run_point(name: str, base: list[str], out: Path) -> dict:
     for stage in ("data", "distill") if cfg.backbone.lora.enabled else ("all",):
         run_prep(dataclasses.replace(cfg, stage=stage))
     run_train(cfg)
-    report = run_eval(config([*over, f"paths.output_dir={eval_dir}", f"eval.heads={train_dir}",
+    report = run_eval(config([*over, f"paths.output_dir={eval_dir}", f"eval.train_run={train_dir}",
                               "eval.modes=[verify,tree]", "eval.prompt_source=unseen"]))
     meta = json.loads((train_dir / "heads.json").read_text())
     m, k = meta["metrics"], meta["k"]
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/lora"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every point (default experiment=smollm2_demo)")
     args = ap.parse_args(argv)
-    from mtp_train.evaluate import cpu_model
+    from mtp_train.evaluation.machine import cpu_model
 
     base = args.overrides or ["experiment=smollm2_demo"]
     if not any(o.startswith("experiment=") for o in base):

@@ -17,11 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from mtp_train import layout
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.cli.common import compose_config
 
 # name -> overrides on top of the demo experiment
 RECIPES = {
@@ -33,7 +30,7 @@ RECIPES = {
     "ce_copy_last": ["loss=ce", "heads.init=copy_last"],
     "e2e_tv_copy_last": ["loss=e2e_tv", "heads.init=copy_last"],
     "medusa_kl_lr3e-3": ["heads=medusa", "loss=kl", "train.lr=3e-3"],
-    # issue 14's options, each on top of the demo's recipe (chained, KL, random init)
+    # the options compared, each on top of the demo's recipe (chained, KL, random init)
     "kl_then_e2e_tv": ["loss=kl", "loss.schedule.then=e2e_tv", "loss.schedule.at=0.5"],
     "kl_topk8": ["loss=kl", "loss.topk=8", "loss.topk_weight=0.5"],
     "kl_depth_weights": ["loss=kl", "loss.depth_weights=[1.0,0.8,0.6]"],
@@ -69,10 +66,9 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in names:
         run = out / name
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = validate(compose("config", overrides=[
-                "logger=csv", *overrides, *RECIPES[name], f"trainer.max_steps={args.steps}",
-                f"trainer.val_check_interval={max(1, args.steps // 2)}", f"paths.output_dir={run}"]))
+        cfg = compose_config([
+            "experiment=smollm2_demo", "logger=csv", *overrides, *RECIPES[name], f"trainer.max_steps={args.steps}",
+            f"trainer.val_check_interval={max(1, args.steps // 2)}", f"paths.output_dir={run}"])
         run_prep(dataclasses.replace(cfg, stage="all"))  # skips itself when up to date
         metrics = run_train(cfg)
         meta = json.loads((run / layout.HEADS_META).read_text())

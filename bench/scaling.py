@@ -20,18 +20,15 @@ import math
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from mtp_train import layout
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.cli.common import compose_config
+from mtp_train.goals import DEMO
 
-TARGET_TAU = 1.9
+TARGET_TAU = DEMO["verify_tau"]  # the chain's goal (mtp_train/goals.py)
 
 
 def _cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return validate(compose("config", overrides=["logger=csv", *overrides]))
+    return compose_config(["experiment=smollm2_demo", "logger=csv", *overrides])  # unless another is named
 
 
 def run_point(out: Path, source: str, fraction: float, prompts: int, overrides: list[str]) -> dict:
@@ -42,7 +39,7 @@ def run_point(out: Path, source: str, fraction: float, prompts: int, overrides: 
     common = [*overrides, f"train.data_use={source}"]
     run_train(_cfg([*common, f"train.data_fraction={fraction}", f"paths.output_dir={run}"]))
     heads = json.loads((run / layout.HEADS_META).read_text())
-    report = run_eval(_cfg([*common, f"eval.heads={run}", "eval.modes=[verify]", f"eval.n_prompts={prompts}",
+    report = run_eval(_cfg([*common, f"eval.train_run={run}", "eval.modes=[verify]", f"eval.n_prompts={prompts}",
                             f"paths.output_dir={run}/eval"]))
     v = report["modes"]["verify"]
     return {"source": source, "fraction": fraction, "train_rows": heads["recipe"]["train_rows"],

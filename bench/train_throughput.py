@@ -16,26 +16,24 @@ import sys
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.cli.common import compose_config
 
 
 def main(overrides: list[str]) -> None:
+    # first: it puts the hub offline; the demo's recipe unless another experiment is named
+    cfg = compose_config(["experiment=smollm2_demo", "paths.output_dir=outputs/bench", *overrides])
     from data_prep.stages import run_prep
     from mtp_train import layout
     from mtp_train.backbone import load_backbone
     from mtp_train.data.cache import HiddenCache
-    from mtp_train.heads import build_heads
+    from mtp_train.data.prepared import cache_location
+    from mtp_train.heads.persist import build_heads
     from mtp_train.layout import data_dirs
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
-    from mtp_train.pipeline.prepared import cache_location
     from mtp_train.pipeline.training import draft_vocab_for
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = validate(compose("config", overrides=["paths.output_dir=outputs/bench", *overrides]))
     n_batches = 4
     run_prep(dataclasses.replace(cfg, stage="cache"))
     backbone = load_backbone(cfg.backbone)

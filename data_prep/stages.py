@@ -1,4 +1,4 @@
-"""The stages of `mtp-prep` (data_prep/cli.py): backbone, data, distill, cache; each skips itself when
+"""The stages of `mtp-prep` (mtp_train/cli/prep.py): backbone, data, distill, cache; each skips itself when
 its manifest says it is up to date."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 
 from mtp_train.config import Config
-from mtp_train.errors import ConfigError
-from mtp_train.layout import data_dirs, distilled_dir, labelled_dir, max_length, stage_lock
-from mtp_train.pipeline.prepared import (
+from mtp_train.data.prepared import (
     cache_compute,
     cache_location,
     check_labelled_is_current,
     labelled_data_config,
 )
+from mtp_train.errors import ConfigError
+from mtp_train.layout import data_dirs, distilled_dir, labelled_dir, max_length, stage_lock
 
 log = logging.getLogger(__name__)
 STAGES = ("backbone", "data", "distill", "cache", "all")
@@ -86,8 +86,8 @@ def _stage_distill(cfg: Config) -> dict:
 def _stage_cache(cfg: Config) -> dict:
     from data_prep.cache import build_cache, reusable_states
     from mtp_train.backbone import load_backbone
-    from mtp_train.heads import aux_layers_for
-    from mtp_train.lit.data import load_splits
+    from mtp_train.data.prepared import load_splits
+    from mtp_train.heads.persist import aux_layers_for
 
     backbone = load_backbone(cfg.backbone)
     key, out = cache_location(cfg, backbone)

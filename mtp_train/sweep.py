@@ -8,8 +8,9 @@ its swept values, status (a failed one with its reason), `val/sim_tau`, agreemen
 depth and, when evaluated, each mode's decode tau and speedup over HF generate; it plots them
 against heads.k with one line per loss (or per the other swept values), failed points marked.
 
-`SweepSummary` (a Hydra callback, conf/config.yaml) writes it at the end of every mtp-train multirun
-and, with logger=wandb, logs it as a table and image to a `sweep` job in the sweep's W&B group.
+`summarize` writes it and, with logger=wandb, logs it as a table and image to a `sweep` job in the
+sweep's W&B group; the Hydra callback in mtp_train/cli/sweep.py calls it at the end of every
+mtp-train multirun.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 from pathlib import Path
 
 import yaml
-from hydra.experimental.callback import Callback
 
 from mtp_train import layout
 from mtp_train.artifacts import read_json, write_text_atomic
@@ -207,22 +207,19 @@ def to_wandb(cfg, out: dict, group: str) -> None:
     run.finish()
 
 
-class SweepSummary(Callback):
-    """Hydra callback: after an mtp-train multirun (local, or once every Slurm job has ended), the
-    sweep summary beside the points and, with logger=wandb, in the sweep's W&B group."""
+def summarize(cfg, sweep_dir: str | Path) -> dict | None:
+    """The summary of a finished mtp-train multirun: written beside the points, printed, and with
+    logger=wandb logged to the sweep's W&B group (`cfg`: the sweep's config). None without points."""
+    from mtp_train.tracking import sweep_group
 
-    def on_multirun_end(self, config, **kwargs) -> None:
-        if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json / FAILED.txt
-            return
-        from mtp_train.tracking import sweep_group
-
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        try:
-            out = report(sweep_dir)
-        except MtpError as e:
-            log.warning("sweep summary: %s", e)
-            return
-        print(markdown_table(out["points"]))
-        log.info("sweep summary: %d ok, %d failed, %d missing; %s", out["ok"], out["failed"], out["missing"],
-                 sweep_dir / f"{layout.SWEEP_REPORT}.md")
-        to_wandb(config, out, sweep_group(config.experiment_name, sweep_dir))
+    sweep_dir = Path(sweep_dir)
+    try:
+        out = report(sweep_dir)
+    except MtpError as e:
+        log.warning("sweep summary: %s", e)
+        return None
+    print(markdown_table(out["points"]))
+    log.info("sweep summary: %d ok, %d failed, %d missing; %s", out["ok"], out["failed"], out["missing"],
+             sweep_dir / f"{layout.SWEEP_REPORT}.md")
+    to_wandb(cfg, out, sweep_group(cfg.experiment_name, sweep_dir))
+    return out

@@ -8,8 +8,8 @@ multirun shares the group `<experiment>-<sweep directory name>` (the start time 
 tagged with its swept overrides (`heads.k=3`, `loss=kl`) and, on Slurm, the array job's id.
 The sweep summary (mtp_train/sweep.py) logs to the same group.
 
-Which keys a sweep varies is read from the sweep's `multirun.yaml`, which Hydra writes into the
-sweep directory before the first point starts (command-line sweeps and `hydra.sweeper.params`).
+Which point this process runs is said by the entry point (mtp_train/cli/sweep.py reads it from
+Hydra's config and calls `set_sweep_point`), so nothing here needs Hydra.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-MULTIRUN_CONFIG = "multirun.yaml"
 MAX_NAME = 64  # W&B shows names up to this length; tags are limited to 64 characters
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
 
@@ -38,38 +35,6 @@ class RunIdentity:
         return {"job_type": self.job_type,
                 **({"name": self.name} if self.name else {}),
                 **({"group": self.group, "tags": self.tags} if self.group else {})}
-
-
-def _parse(overrides: list[str]) -> list:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_overrides(overrides=list(overrides))
-
-
-def swept_keys(sweep_dir: str | Path) -> list[str] | None:
-    """The keys the multirun in `sweep_dir` varies, in the order it names them; None when the sweep
-    wrote no multirun.yaml (then every point override counts)."""
-    path = Path(sweep_dir) / MULTIRUN_CONFIG
-    if not path.is_file():
-        return None
-    hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
-    keys = [o.key_or_group for o in _parse((hydra.get("overrides") or {}).get("task") or [])
-            if o.is_sweep_override()]
-    params = (hydra.get("sweeper") or {}).get("params") or {}
-    for key, value in params.items():  # hydra.sweeper.params: {heads.k: "2,3,4", ...}
-        override = _parse([f"{key}={value}"])[0]
-        if override.is_sweep_override():
-            keys.append(override.key_or_group)
-    return list(dict.fromkeys(keys))
-
-
-def point_values(overrides: list[str], keys: list[str]) -> list[tuple[str, str]]:
-    """(key, value) of `keys` among one point's overrides, in the order of `keys`."""
-    found = {}
-    for o in _parse(overrides):
-        if not o.is_delete() and not o.is_sweep_override():
-            found[o.key_or_group] = o.get_value_element_as_str()
-    return [(k, found[k]) for k in keys if k in found]
 
 
 def _part(key: str, value: str, groups: set[str]) -> str:
@@ -98,44 +63,37 @@ def sweep_group(experiment_name: str, sweep_dir: str | Path) -> str:
     return f"{experiment_name}-{Path(sweep_dir).name}"
 
 
-def _hydra_point(hc) -> tuple[str, list[tuple[str, str]]]:
-    """(name, swept values) of the current multirun point, from Hydra's config `hc` (its `hydra` node)."""
-    overrides = list(hc.overrides.task)
-    keys = swept_keys(hc.sweep.dir)
-    if keys is None:
-        keys = [o.key_or_group for o in _parse(overrides) if not o.is_delete()]
-    values = point_values(overrides, keys)
-    return point_name(values, set(hc.runtime.choices or {})), values
+@dataclass(frozen=True)
+class SweepPoint:
+    """One point of a multirun: its name, the values its sweep varies, and the sweep's directory."""
+    name: str
+    values: list[tuple[str, str]]
+    sweep_dir: str
 
 
-def point_dir_name(num, _root_) -> str:
-    """Resolver behind `hydra.sweep.subdir`: `<job number>-<point name>` (the number keeps the
-    launch order and tells apart two points whose names are cut to the same prefix)."""
-    name, _ = _hydra_point(_root_.hydra)
-    return f"{num}-{name}" if name else str(num)
+_point: SweepPoint | None = None  # None: a single run
 
 
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
+def set_sweep_point(point: SweepPoint | None) -> None:
+    """Say which multirun point this process runs (None: a single run); the entry point does."""
+    global _point
+    _point = point
 
-    if not OmegaConf.has_resolver("mtp_point_dir"):
-        OmegaConf.register_new_resolver("mtp_point_dir", point_dir_name)
+
+def sweep_point() -> SweepPoint | None:
+    return _point
 
 
 def identity(experiment_name: str, job_type: str) -> RunIdentity:
     """This process's run: a multirun point is named, grouped and tagged; a single run is not."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+    point = _point
+    if point is None:
         return RunIdentity(job_type=job_type)
-    hc = HydraConfig.get()
-    name, values = _hydra_point(hc)
-    tags = [f"{k}={v}"[:MAX_NAME] for k, v in values]
+    tags = [f"{k}={v}"[:MAX_NAME] for k, v in point.values]
     if os.environ.get("SLURM_ARRAY_JOB_ID"):
         tags.append(f"slurm_array={os.environ['SLURM_ARRAY_JOB_ID']}")
-    return RunIdentity(job_type=job_type, name=name or experiment_name,
-                       group=sweep_group(experiment_name, hc.sweep.dir), tags=tags)
+    return RunIdentity(job_type=job_type, name=point.name or experiment_name,
+                       group=sweep_group(experiment_name, point.sweep_dir), tags=tags)
 
 
 def offline_without_key() -> bool:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mtp_train.config import BackboneConfig, TinyBackboneConfig, validate
-from mtp_train.entry import CONF_DIR  # registers the schemas
+from mtp_train.cli.common import CONF_DIR  # registers the schemas
+from mtp_train.config import BackboneConfig, TinyBackboneConfig
+from mtp_train.config_rules import validate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

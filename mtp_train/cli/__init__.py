@@ -1,1 +1,2 @@
-"""Hydra entry points: each composes conf/, validates it, runs one job and returns its metric."""
+"""Every entry point, one module each (prep, train, clp, eval, export, report), which never import
+each other; common.py and sweep.py hold what the Hydra ones share. The only place Hydra is imported."""

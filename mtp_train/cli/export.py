@@ -9,8 +9,7 @@ into a serving engine's format.
 A DeepSpeed run leaves `last.ckpt` as a directory of ZeRO shards (one per rank); this gathers them
 with DeepSpeed's own consolidation, keeps only the heads, and writes the same files `mtp-train`
 writes at the end of a run, so `mtp-clp` and `mtp-eval` take the run directory as it is. A plain
-Lightning checkpoint file (DDP, one process) works too. The recipe comes from `<run>/run_config.yaml`
-(else `<run>/.hydra/config.yaml`).
+Lightning checkpoint file (DDP, one process) works too. The recipe comes from `<run>/run_config.yaml`.
 
 --format eagle3|medusa reads the run's heads.safetensors + heads.json and writes the engine's layout
 to --out (default <run>/export-<format>), with mtp_serving.json naming the backbone to serve with and
@@ -23,8 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtp_train.choices import EXPORT_FORMATS
 from mtp_train.errors import MtpError
+from mtp_train.heads.registry import EXPORT_FORMATS
 from mtp_train.pipeline.export import export_heads
 
 

@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import hydra
 
+from mtp_train.cli.common import CONF_DIR, entry, offline_environment
 from mtp_train.config import Config
-from mtp_train.entry import CONF_DIR, entry
 from mtp_train.pipeline.training import eval_trained, run_train
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @entry
-def main(cfg, typed: Config):
+def app(cfg, typed: Config):
     sim_tau = run_train(typed).get("val/sim_tau")
     if typed.train.eval_after:
         eval_trained(typed)
     return sim_tau
+
+
+def main() -> None:
+    offline_environment()
+    app()
 
 
 if __name__ == "__main__":

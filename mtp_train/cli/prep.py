@@ -8,10 +8,10 @@ Stages (each skips itself when its manifest says it is up to date; `force=true` 
             mtp-train then uses instead of running the backbone (asked for by name, not in `all`)
   all       backbone, data, distill in order
 
-  mtp-prep                                        # the demo: SmolLM2 + ShareGPT, all stages
+  mtp-prep experiment=smollm2_demo                # the demo: SmolLM2 + ShareGPT, all stages
   mtp-prep stage=data data=sharegpt data.max_conversations=null
   mtp-prep stage=all data=jsonl data.path=my_prompts.jsonl backbone=hf backbone.path=/models/llama
-  mtp-prep backbone=tiny                          # the tiny in-code data, in seconds (smoke runs)
+  mtp-prep debug=smoke                            # the tiny in-code data, in seconds (smoke runs)
 """
 
 from __future__ import annotations
@@ -19,16 +19,21 @@ from __future__ import annotations
 import hydra
 
 from data_prep.stages import print_summary, run_prep
+from mtp_train.cli.common import CONF_DIR, entry, offline_environment
 from mtp_train.config import Config
-from mtp_train.entry import CONF_DIR, entry
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @entry
-def main(cfg, typed: Config):
+def app(cfg, typed: Config):
     results = run_prep(typed)
     print_summary(results)
     return None
+
+
+def main() -> None:
+    offline_environment()
+    app()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What mtp-train, mtp-clp and mtp-eval ask of the prepared data (`mtp-prep` writes it): that it was
-made from this config's data settings, and where the hidden-state cache for these inputs is."""
+"""The prepared data (`mtp-prep` writes it) as the commands read it: its rows, whether it was made
+from this config's data settings, and where the hidden-state cache for these inputs is."""
 
 from __future__ import annotations
 
@@ -11,8 +11,28 @@ from mtp_train import layout
 from mtp_train.artifacts import read_manifest
 from mtp_train.config import Config
 from mtp_train.errors import DataError
+from mtp_train.layout import MANIFEST
 
 log = logging.getLogger(__name__)
+COLUMNS = ["input_ids", "labels"]
+
+
+def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
+    """Concatenate the train and validation splits of the prepared datasets in `dirs`; `sizes`, when
+    given, receives each dataset's {split: rows} in order."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    parts = {"train": [], "validation": []}
+    for d in dirs:
+        if not (Path(d) / MANIFEST).is_file():
+            raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` with the same "
+                            "backbone= and data= first")
+        ds = load_from_disk(str(d))
+        for s in parts:
+            parts[s].append(ds[s].select_columns(COLUMNS))
+        if sizes is not None:
+            sizes.append({s: len(ds[s]) for s in parts})
+    return {s: concatenate_datasets(p) for s, p in parts.items()}
 
 
 def cache_compute(cfg: Config, backbone) -> str:
@@ -29,7 +49,7 @@ def cache_location(cfg: Config, backbone, aux_layers=FROM_CONFIG) -> tuple[str, 
     """(key, folder) of the hidden-state cache for this config's data, backbone and row length, and
     the auxiliary layers the heads read (`aux_layers`: the loaded heads'; by default cfg.heads')."""
     from mtp_train.data.cache import STATES_DTYPE, cache_key
-    from mtp_train.heads import aux_layers_for
+    from mtp_train.heads.persist import aux_layers_for
 
     aux = aux_layers_for(cfg.heads, backbone.config) if aux_layers == FROM_CONFIG else aux_layers
     key = cache_key(layout.data_dirs(cfg), backbone.identity, layout.max_length(cfg), STATES_DTYPE,

@@ -1,9 +1,12 @@
-"""What every entry point shares: the conf/ directory, config validation, clean error messages."""
+"""What every Hydra entry point shares: the conf/ directory and its schema, the process's
+environment, composing outside a Hydra app, and the wrapper that validates the config and turns
+errors into one clean line."""
 
 from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -11,14 +14,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtp_train.config import Config, validate
+from mtp_train.cli.sweep import current_point, in_multirun, register_resolvers
+from mtp_train.config import Config
+from mtp_train.config_rules import READS, validate
 from mtp_train.errors import MtpError
 from mtp_train.layout import FAILED
-from mtp_train.tracking import register_resolvers
+from mtp_train.tracking import set_sweep_point
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 log = logging.getLogger("mtp_train")
-
 
 
 def register_configs() -> None:
@@ -30,9 +34,14 @@ def register_configs() -> None:
 
 register_configs()
 register_resolvers()  # ${mtp_point_dir:...}, a sweep point's directory name (conf/config.yaml)
-# never let W&B or the hub block a run on a prompt or a network call on these machines
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def offline_environment() -> None:
+    """Never let the hub block a run on a network call on these machines (HF_HUB_OFFLINE=1), and
+    keep the tokenizers library single-threaded (TOKENIZERS_PARALLELISM=false), unless the caller
+    set them. Call it first: the hub reads the variable once, when it is imported."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # out of space, file too large, no permission, read-only file system, not a directory
@@ -40,18 +49,13 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.ERO
 
 
 def compose_config(overrides: list[str]) -> Config:
-    """conf/config.yaml with `overrides`, validated, outside a Hydra app (benchmarks, scripts)."""
+    """conf/config.yaml with `overrides`, validated, outside a Hydra app (benchmarks, scripts); sets
+    the same environment as the entry points."""
     from hydra import compose, initialize_config_dir
 
+    offline_environment()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return validate(compose("config", overrides=overrides))
-
-
-def in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _failure_file() -> Path:
@@ -80,17 +84,23 @@ def entry(task):
     """Wrap a Hydra task: validate the config first, turn MtpError into one line and exit code 2.
 
     In a multirun (-m) a failing point does not stop the sweep: it leaves FAILED.txt in its run
-    directory and returns NaN, and the other points run."""
+    directory and returns NaN, and the other points run. While the task runs, the library knows
+    which point it is (`mtp_train.tracking.sweep_point`). The command is the name of the entry
+    point's file (mtp_train/cli/eval.py: eval, also run as `python -m`); validation judges the keys
+    `config_rules.READS` lists for it."""
     if not Path(CONF_DIR, "config.yaml").is_file():
         raise SystemExit(f"mtp_train: config directory {CONF_DIR} not found; install the project "
                          "from its repository with `pip install -e .`")
+    command = Path(inspect.getfile(task)).stem
+    command = command if command in READS else None
 
     @functools.wraps(task)
     def wrapper(cfg: DictConfig):
         try:
             if in_multirun():  # a rerun of a point that failed before starts clean
                 _failure_file().unlink(missing_ok=True)
-            typed = validate(cfg)
+            typed = validate(cfg, command=command)
+            set_sweep_point(current_point())
             return task(cfg, typed)
         except SystemExit as e:
             from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -111,5 +121,7 @@ def entry(task):
                       "(free space or fix permissions, then rerun: finished stages are kept)", file=sys.stderr)
                 raise SystemExit(2) from None
             raise
+        finally:
+            set_sweep_point(None)
 
     return wrapper

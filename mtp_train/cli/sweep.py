@@ -1,0 +1,106 @@
+"""What a Hydra multirun (`-m`, local or through the Slurm launcher) asks of mtp-train.
+
+Each point's name comes from the values its sweep varies (mtp_train/tracking.py names them): the
+resolver `${mtp_point_dir:...}` puts it in the point's run directory (conf/config.yaml), and
+`current_point` hands it to the library as a plain `SweepPoint` before the task runs. Which keys a
+sweep varies is read from the sweep's `multirun.yaml`, which Hydra writes into the sweep directory
+before the first point starts (command-line sweeps and `hydra.sweeper.params`). `SweepSummary` is
+the callback that writes the sweep summary (mtp_train/sweep.py) when a multirun of mtp-train ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from hydra.experimental.callback import Callback
+
+from mtp_train.tracking import SweepPoint, point_name
+
+MULTIRUN_CONFIG = "multirun.yaml"
+
+
+def _parse(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(overrides=list(overrides))
+
+
+def swept_keys(sweep_dir: str | Path) -> list[str] | None:
+    """The keys the multirun in `sweep_dir` varies, in the order it names them; None when the sweep
+    wrote no multirun.yaml (then every point override counts)."""
+    path = Path(sweep_dir) / MULTIRUN_CONFIG
+    if not path.is_file():
+        return None
+    hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
+    keys = [o.key_or_group for o in _parse((hydra.get("overrides") or {}).get("task") or [])
+            if o.is_sweep_override()]
+    params = (hydra.get("sweeper") or {}).get("params") or {}
+    for key, value in params.items():  # hydra.sweeper.params: {heads.k: "2,3,4", ...}
+        override = _parse([f"{key}={value}"])[0]
+        if override.is_sweep_override():
+            keys.append(override.key_or_group)
+    return list(dict.fromkeys(keys))
+
+
+def point_values(overrides: list[str], keys: list[str]) -> list[tuple[str, str]]:
+    """(key, value) of `keys` among one point's overrides, in the order of `keys`."""
+    found = {}
+    for o in _parse(overrides):
+        if not o.is_delete() and not o.is_sweep_override():
+            found[o.key_or_group] = o.get_value_element_as_str()
+    return [(k, found[k]) for k in keys if k in found]
+
+
+def _hydra_point(hc) -> tuple[str, list[tuple[str, str]]]:
+    """(name, swept values) of the current multirun point, from Hydra's config `hc` (its `hydra` node)."""
+    overrides = list(hc.overrides.task)
+    keys = swept_keys(hc.sweep.dir)
+    if keys is None:
+        keys = [o.key_or_group for o in _parse(overrides) if not o.is_delete()]
+    values = point_values(overrides, keys)
+    return point_name(values, set(hc.runtime.choices or {})), values
+
+
+def point_dir_name(num, _root_) -> str:
+    """Resolver behind `hydra.sweep.subdir`: `<job number>-<point name>` (the number keeps the
+    launch order and tells apart two points whose names are cut to the same prefix)."""
+    name, _ = _hydra_point(_root_.hydra)
+    return f"{num}-{name}" if name else str(num)
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mtp_point_dir"):
+        OmegaConf.register_new_resolver("mtp_point_dir", point_dir_name)
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def current_point() -> SweepPoint | None:
+    """The multirun point this process runs, from Hydra's config; None for a single run."""
+    if not in_multirun():
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    name, values = _hydra_point(hc)
+    return SweepPoint(name=name, values=values, sweep_dir=str(hc.sweep.dir))
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after an mtp-train multirun (local, or once every Slurm job has ended), the
+    sweep summary beside the points and, with logger=wandb, in the sweep's W&B group."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json / FAILED.txt
+            return
+        from mtp_train.sweep import summarize
+
+        summarize(config, str(config.hydra.sweep.dir))
