@@ -364,8 +364,8 @@ def convert_gguf(cfg: BackboneConfig, force: bool = False) -> Path:
 # --- compute dtypes -----------------------------------------------------------------------------
 
 def resolve_autocast(device: torch.device, name: str) -> str:
-    """`auto` -> bfloat16 only where it is fast: on CPUs without native bf16 (AVX2-only, as on
-    some of our machines) bf16 autocast makes generation 4x slower, not 2x faster."""
+    """`auto` -> bfloat16 only where it is fast: on CPUs without native bf16 (AVX2 only) bf16
+    autocast makes generation several times slower, not faster (docs/results.md)."""
     if name != "auto":
         return name
     if device.type == "cuda":

@@ -8,7 +8,9 @@ commit after the backbone's own token, decided from the backbone's state without
 Features are the backbone's final hidden state h_p, optionally concatenated with the k heads' top-1
 probabilities. The decision rule is m = max{m : P(L >= m) >= threshold} with P(L >= m) the cumulative
 class probability from m up; P(L >= 0) = 1, so m = 0 (only the backbone's token) whenever nothing
-else clears the threshold, and a threshold of 1 accepts no draft. Pure torch; fitting lives in lit/predictor.py and pipeline/clp_run.py.
+else clears the threshold, and a threshold of 1 accepts no draft. Pure torch, no decode loops:
+fitting lives in lit/predictor.py and pipeline/clp_run.py, the threshold's calibration by decoding
+in evaluation/calibration.py.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from torch import nn
 
 from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import ConfigError, MtpError
-from mtp_train.heads import count_parameters
-from mtp_train.layout import CLP_FILE, CLP_META
+from mtp_train.heads.persist import count_parameters
+from mtp_train.layout import PREDICTOR_FILE, PREDICTOR_META
 
 
 class SpanPredictor(nn.Module):
@@ -92,9 +94,8 @@ def held_out_calibration(predictor: SpanPredictor, hidden: torch.Tensor, head_pr
 
 
 def saved_threshold(meta: dict) -> float | None:
-    """The calibrated threshold a predictor's clp.json holds; files from before the rename call it
-    "tau". None when it holds neither."""
-    value = meta.get("threshold", meta.get("tau"))
+    """The calibrated threshold a predictor's predictor.json holds (None: not calibrated yet)."""
+    value = meta.get("threshold")
     return None if value is None else float(value)
 
 
@@ -129,7 +130,7 @@ class SpanPolicy:
 
 
 def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
-    """clp.safetensors (weights) + clp.json (kind, k, d, inputs, backbone, threshold, figures); atomic."""
+    """predictor.safetensors (weights) + predictor.json (kind, k, d, inputs, backbone, threshold, figures); atomic."""
     import os
 
     from safetensors.torch import save_file
@@ -138,16 +139,16 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
 
     out_dir = Path(out_dir)
     state = {n: t.detach().contiguous() for n, t in predictor.state_dict().items()}
-    check_finite(state, f"{out_dir / CLP_FILE}: not written, the fit diverged")
+    check_finite(state, f"{out_dir / PREDICTOR_FILE}: not written, the fit diverged")
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / (CLP_FILE + ".tmp")
+    tmp = out_dir / (PREDICTOR_FILE + ".tmp")
     save_file(state, str(tmp))
-    os.replace(tmp, out_dir / CLP_FILE)
-    write_json_atomic(out_dir / CLP_META, {
+    os.replace(tmp, out_dir / PREDICTOR_FILE)
+    write_json_atomic(out_dir / PREDICTOR_META, {
         **meta, "kind": "clp" if isinstance(predictor, LinearCLP) else "gate", "k": predictor.k,
         "hidden_size": predictor.hidden_size, "use_head_probs": predictor.use_head_probs,
         "parameters": count_parameters(predictor)["total"]})
-    return out_dir / CLP_FILE
+    return out_dir / PREDICTOR_FILE
 
 
 def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | None = None
@@ -155,7 +156,7 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
     """A saved predictor, refused when it was fitted for another hidden size, k or backbone."""
     from mtp_train.artifacts import load_weights, read_weights_meta
 
-    meta, meta_file, weights = read_weights_meta(Path(path), CLP_META, CLP_FILE, "written by mtp-clp")
+    meta, meta_file, weights = read_weights_meta(Path(path), PREDICTOR_META, PREDICTOR_FILE, "written by mtp-clp")
     for key, have in (("hidden_size", hidden_size), ("k", k)):
         if meta.get(key) != have:
             raise ConfigError(f"{meta_file}: fitted for {key}={meta.get(key)}, these heads and backbone "
@@ -170,69 +171,3 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
         raise MtpError(f"{weights}: cannot load ({e})") from None
     return predictor.eval(), meta
 
-
-# ---------------------------------------------------------------------------------------------------
-# calibration: the fastest threshold whose output quality stays within bounds of plain greedy decoding
-
-
-def pick_threshold(rows: list[dict], greedy: dict, max_rep_increase: float, max_nll_increase: float
-                   ) -> dict | None:
-    """rows: one per threshold with tokens_per_s, repetition_ratio, backbone_nll; greedy: the same keys for
-    plain greedy decoding. The fastest row within both bounds, or None when no threshold meets them."""
-    ok = [r for r in rows
-          if r["repetition_ratio"] <= greedy["repetition_ratio"] + max_rep_increase + 1e-12
-          and r["backbone_nll"] <= greedy["backbone_nll"] + max_nll_increase + 1e-12]
-    return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
-
-
-def measure_decode(decoder, prompts: list[list[int]], max_new_tokens: int, mode: str,
-                   policy=None, bar=None) -> tuple[dict, list[list[int]]]:
-    """Decode every prompt in `mode`: (tokens/s, accepted length, repetition, backbone NLL), outputs."""
-    import time
-
-    from mtp_train.evaluate import backbone_nll, repetition_ratio
-
-    outs, secs, steps, committed = [], 0.0, 0, 0
-    for p in prompts:
-        t0 = time.perf_counter()
-        r = decoder.generate(p, max_new_tokens, mode, **({"span_policy": policy} if policy else {}))
-        secs += time.perf_counter() - t0
-        outs.append(r.tokens)
-        steps += r.steps
-        committed += sum(r.accept_lengths)
-        if bar is not None:
-            bar.update()
-    n = sum(len(o) for o in outs)
-    return {"tokens_per_s": n / secs, "accepted_length": committed / max(1, steps),
-            "repetition_ratio": sum(map(repetition_ratio, outs)) / len(outs),
-            "backbone_nll": sum(backbone_nll(decoder.backbone, p, o) for p, o in zip(prompts, outs, strict=True))
-            / len(outs)}, outs
-
-
-def sweep_thresholds(decoder, predictor: SpanPredictor, prompts: list[list[int]], thresholds: list[float],
-                     max_new_tokens: int, greedy: tuple[dict, list[list[int]]] | None = None,
-                     progress: bool = True) -> tuple[dict, list[dict]]:
-    """Decode `prompts` greedily and in clp mode for each threshold; per threshold: tokens/s, accepted
-    length, repetition, backbone NLL, greedy-match rate and mean first divergence.
-
-    `greedy` = (figures, outputs) of an earlier `measure_decode(..., "greedy")` over the same
-    prompts, to reuse it; shown as a progress bar over decodes unless `progress` is false."""
-    from tqdm.auto import tqdm
-
-    from mtp_train.evaluate import first_divergence
-
-    bar = tqdm(total=len(prompts) * (len(thresholds) + (greedy is None)), desc="threshold sweep", unit="decode",
-               disable=not progress)
-    figures, ref = greedy if greedy is not None else measure_decode(
-        decoder, prompts, max_new_tokens, "greedy", bar=bar)
-    rows = []
-    for threshold in thresholds:
-        row, outs = measure_decode(decoder, prompts, max_new_tokens, "clp", SpanPolicy(predictor, threshold), bar)
-        div = [first_divergence(o, g) for o, g in zip(outs, ref, strict=True)]
-        diffs = [d for d in div if d is not None]
-        row.update(threshold=threshold, speedup_vs_greedy=row["tokens_per_s"] / figures["tokens_per_s"],
-                   greedy_match_rate=sum(d is None for d in div) / len(div),
-                   first_divergence=sum(diffs) / len(diffs) if diffs else None)
-        rows.append(row)
-    bar.close()
-    return figures, rows

@@ -1,6 +1,5 @@
-"""mtp-report: one Markdown page for a pipeline run (what `make demo` leaves under runs/demo/).
-
-  mtp-report runs/demo            # reads train/, clp/, eval/; writes runs/demo/report.md
+"""The library behind `mtp-report` (mtp_train/cli/report.py): one Markdown page for a pipeline run
+(what `make demo` leaves under runs/demo/).
 
 What ran (backbone, data counts, head type, k, loss, timings per stage), the training curves
 (training_curves.png from the CSV logger), the evaluation table (HF generate and every decoding
@@ -11,20 +10,16 @@ that has not run yet is listed as missing, so the page can be written at any poi
 
 from __future__ import annotations
 
-import argparse
 import csv
-import sys
 from pathlib import Path
 
 from mtp_train import layout
 from mtp_train.artifacts import read_json as _json
 from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import MtpError
+from mtp_train.evaluation.modes import MODES
+from mtp_train.goals import DEMO as TARGETS  # the demo's goals (mtp_train/goals.py)
 
-# the demo's targets on SmolLM2 (held-out prompts, the whole demo within 30 minutes): issue 7's for
-# verify and CLP, issue 13's and 14's for trees (where two issues ask for the same figure, the stricter)
-TARGETS = {"verify_speedup": 1.4, "verify_tau": 1.9, "clp_speedup": 1.4, "minutes": 30.0,
-           "tree_speedup": 1.5, "tree_best_speedup": 1.2, "tree_tau_gain": 0.4, "tree_tau": 2.2}
 
 def _default_bounds() -> dict:
     """The CLP quality bounds mtp-clp calibrates against by default (ClpConfig's own values)."""
@@ -39,7 +34,7 @@ def target_rows(report: dict | None, total_s: float | None, bounds: dict | None 
     """(what, target, measured, met) for each target the run has the figures for.
 
     A mode whose speedup is beyond what its tau allows (flagged by mtp-eval, or found so here) never
-    meets a target, and clp whose predictor is not calibrated (`predictors`: clp.json per predictor
+    meets a target, and clp whose predictor is not calibrated (`predictors`: predictor.json per predictor
     kind, used when the report does not say) or commits no more than greedy (tau <= 1.01) shows
     "not calibrated (accepts nothing)", not met."""
     b = {**_default_bounds(), **(bounds or {})}
@@ -124,46 +119,39 @@ def shortfall_lines(report: dict | None, heads: dict | None) -> list[str]:
     return out
 
 
-SPAN_MODES = {"clp": "clp", "clp+verify": "clp", "gate": "gate"}  # mode -> its predictor's kind
-
-
 def accepts_nothing(report: dict | None, mode: str, predictors: dict | None = None) -> bool:
     """Whether a clp, gate or clp+verify run committed nothing beyond greedy: its predictor is not
-    calibrated (the eval report's record of it, else that kind's clp.json in `predictors`), or its
+    calibrated (the eval report's record of it, else that kind's predictor.json in `predictors`), or its
     measured tau is <= 1.01."""
     m = ((report or {}).get("modes") or {}).get(mode)
-    if m is None or mode not in SPAN_MODES:
+    kind = MODES[mode].predictor if mode in MODES else None
+    if m is None or kind is None:
         return False
     if m["tau"] <= 1.01:
         return True
     calibrated = (((report or {}).get("predictors") or {}).get(mode) or {}).get("calibrated")
     if calibrated is None:
-        calibrated = ((predictors or {}).get(SPAN_MODES[mode]) or {}).get("calibrated")
+        calibrated = ((predictors or {}).get(kind) or {}).get("calibrated")
     return calibrated is False
 
 
 def flagged_modes(report: dict | None) -> set[str]:
     """Modes whose speedup over HF is beyond what their tau allows: listed in the report's flags,
-    or above the bound (recomputed from tau and greedy's speedup for a report without one)."""
-    from mtp_train.evaluate import plausible_max_speedup
-
+    or above the bound mtp-eval recorded (details[mode]["plausible_max_speedup"])."""
     report = report or {}
     modes, details = report.get("modes") or {}, report.get("details") or {}
     out = {f.split(":", 1)[0] for f in report.get("flags") or []}
-    greedy = (modes.get("greedy") or {}).get("speedup_vs_hf")
     for name, m in modes.items():
         if name in ("hf_generate", "greedy"):
             continue
         bound = (details.get(name) or {}).get("plausible_max_speedup")
-        if bound is None and report.get("k") != 0:  # a report from before the bound was recorded
-            bound = plausible_max_speedup(m["tau"], greedy)
         if bound is not None and m["speedup_vs_hf"] > bound:
             out.add(name)
     return out
 
 
 def _predictor_metas(clp_root: Path) -> dict:
-    return {kind: m for kind in PREDICTOR_KINDS if (m := _json(layout.predictor_dir(clp_root, kind) / layout.CLP_META))}
+    return {kind: m for kind in PREDICTOR_KINDS if (m := _json(layout.predictor_dir(clp_root, kind) / layout.PREDICTOR_META))}
 
 
 _PROMPT_SOURCES = {"validation": "held-out prompts", "file": "prompts from eval.prompts",
@@ -288,7 +276,7 @@ def write_report(run_root: str | Path) -> Path:
     md += [f"| {k} | {_minutes(v)} |" for k, v in times.items()]
     total = sum(v for v in times.values() if v)
     md += [f"| total | {_minutes(total)} |", ""]
-    bounds = (_json(layout.predictor_dir(clp, "clp") / layout.CLP_META) or {}).get("bounds")
+    bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
     if rows := target_rows(report, total, bounds, _predictor_metas(clp)):
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
         md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
@@ -301,7 +289,7 @@ def write_report(run_root: str | Path) -> Path:
         md += ["## Training", "", f"![training curves]({png.name})", ""]
 
     if report:
-        from mtp_train.evaluate import format_speedup
+        from mtp_train.evaluation.render import format_speedup
 
         rounds = report.get("rounds", 1)
         md += ["## Decoding", "",
@@ -310,13 +298,13 @@ def write_report(run_root: str | Path) -> Path:
                f"the same prompts in the same run"
                + (f", the median of {rounds} timing rounds (min-max in brackets)" if rounds > 1 else "")
                + f" (step cost {_fmt(report.get('step_cost'), 2)}).", "",
-               "| mode | speedup | tokens/s | tau | alpha per depth | greedy match | repetition | backbone NLL |",
+               "| mode | speedup | tokens/s | tau | acceptance per depth | greedy match | repetition | backbone NLL |",
                "|---|---|---|---|---|---|---|---|"]
         for mode, r in report["modes"].items():
-            alpha = " / ".join(_fmt(a, 2) for a in r.get("alpha") or []) or "-"
+            acceptance = " / ".join(_fmt(a, 2) for a in r.get("acceptance") or []) or "-"
             md.append(f"| {mode} | {format_speedup(r, (report.get('details') or {}).get(mode))} | "
                       f"{_fmt(r['tokens_per_s'], 1)} | "
-                      f"{_fmt(r['tau'], 2)} | {alpha} | {_fmt(r['greedy_match_rate'], 2)} | "
+                      f"{_fmt(r['tau'], 2)} | {acceptance} | {_fmt(r['greedy_match_rate'], 2)} | "
                       f"{_fmt(r['repetition_ratio'])} | {_fmt(r['backbone_nll'])} |")
         md.append("")
         if flags := report.get("flags"):
@@ -335,7 +323,7 @@ def write_report(run_root: str | Path) -> Path:
                 md.append(f"![{name[:-4]}]({layout.EVAL_DIR}/{name})")
         md.append("")
 
-    preds = [(k, _json(layout.predictor_dir(clp, k) / layout.CLP_META)) for k in PREDICTOR_KINDS]
+    preds = [(k, _json(layout.predictor_dir(clp, k) / layout.PREDICTOR_META)) for k in PREDICTOR_KINDS]
     preds = [(k, m) for k, m in preds if m]
     if preds:
         from mtp_train.clp import saved_threshold
@@ -398,31 +386,14 @@ def summary(run_root: str | Path) -> str:
     report = _json(layout.pipeline_dirs(run_root)[2] / layout.EVAL_REPORT)
     if not report:
         return "no evaluation yet"
-    from mtp_train.evaluate import format_speedup
+    from mtp_train.evaluation.render import format_speedup
 
     lines = [f"  {mode:<12} {format_speedup(r, (report.get('details') or {}).get(mode))}  tau {r['tau']:.2f}  "
              f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}" for mode, r in report["modes"].items()]
     lines += [f"  flag: {line}" for line in report.get("flags") or []]
     lines += [f"  not identical to greedy: {line}" for line in report.get("divergence") or []]
     clp = layout.pipeline_dirs(run_root)[1]
-    bounds = (_json(layout.predictor_dir(clp, "clp") / layout.CLP_META) or {}).get("bounds")
+    bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
     lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"
               for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp))]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mtp-report", description=__doc__.split("\n")[0])
-    ap.add_argument("run_root", type=Path, help="the directory holding train/, clp/ and eval/")
-    args = ap.parse_args(argv)
-    try:
-        path = write_report(args.run_root)
-    except MtpError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {path}\n{summary(args.run_root)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from mtp_train.backbone import load_backbone  # noqa: E402
 from mtp_train.distributed import deepspeed_config  # noqa: E402
-from mtp_train.heads import build_heads, heads_state_dict  # noqa: E402
+from mtp_train.heads.persist import build_heads, heads_state_dict  # noqa: E402
 from mtp_train.pipeline.export import load_recipe  # noqa: E402
 
 

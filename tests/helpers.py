@@ -100,3 +100,33 @@ def wandb_offline_runs(directory) -> list[dict]:
                              "tags": list(r.tags), "job_type": r.job_type, "project": r.project})
                 break
     return runs
+
+
+class ChainScript:
+    """A drafter for tests that drafts one scripted token per depth (probability 0.5) through the
+    drafter protocol (mtp_train/decoding/drafters/): subclasses say which token depth j drafts,
+    `token(j)`, after `begin` stored the committed tokens."""
+
+    def __init__(self, k: int, vocab: int):
+        self.k, self.vocab = k, vocab
+
+    def to_tokens(self, idx):
+        return idx
+
+    def reset(self) -> None:
+        pass
+
+    def begin(self, tokens, hidden, aux=None) -> None:
+        self.committed = tokens.tolist()
+
+    def token(self, j: int) -> int:
+        raise NotImplementedError
+
+    def level(self, j: int, expand: list[int], tree):
+        import math
+
+        import torch
+
+        row = torch.full((self.vocab,), -math.inf)
+        row[self.token(j)] = math.log(0.5)
+        return row.expand(len(expand), -1)

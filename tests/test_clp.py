@@ -19,6 +19,8 @@ from mtp_train.clp import (
     undo_class_weights,
 )
 from mtp_train.errors import MtpError
+from mtp_train.evaluation.decode import decode
+from tests.helpers import ChainScript
 
 
 @pytest.mark.parametrize("d,k,n", [(1536, 2, 4611), (1536, 4, 7685), (576, 3, 2308)])
@@ -129,7 +131,7 @@ def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
 
 @pytest.mark.bad_input
 def test_pick_threshold_takes_the_fastest_within_bounds_and_refuses_when_none():
-    from mtp_train.clp import pick_threshold
+    from mtp_train.evaluation.calibration import pick_threshold
 
     greedy = {"tokens_per_s": 10.0, "repetition_ratio": 0.10, "backbone_nll": 1.00}
     # lower tau: faster, but repetition and NLL grow
@@ -141,26 +143,20 @@ def test_pick_threshold_takes_the_fastest_within_bounds_and_refuses_when_none():
     assert pick_threshold(rows, greedy, 0.001, 0.10) is None  # nothing meets the bounds: the caller keeps 1.0
 
 
-class OracleDrafter:
-    """Drafts the backbone's true greedy continuation, wrong at the depths where right[j] is False."""
+class OracleDrafter(ChainScript):
+    """Drafts the backbone's true greedy continuation, wrong at the depths where right[j - 1] is False."""
 
     def __init__(self, backbone, right):
-        self.bb, self.right, self.k = backbone, right, len(right)
+        super().__init__(len(right), backbone.vocab_size)
+        self.bb, self.right = backbone, right
 
-    def reset(self):
-        pass
-
-    def draft(self, tokens, hidden, n):
-        seq, out = tokens.tolist(), []
+    def token(self, j: int) -> int:
+        seq = list(self.committed)
         with torch.no_grad():
-            for j in range(n):
+            for _ in range(j):  # the backbone's own continuation up to depth j
                 g = int(self.bb.model(torch.tensor([seq])).logits[0, -1].argmax())
-                out.append(g if self.right[j] else (g + 1) % self.bb.vocab_size)
                 seq.append(g)
-        return torch.tensor(out), torch.full((n,), 0.5)
-
-    def commit(self, n_before, kept):
-        pass
+        return g if self.right[j - 1] else (g + 1) % self.bb.vocab_size
 
 
 @pytest.mark.parametrize("right,label", [([True, False, True], 1), ([True, True, True], 3),
@@ -170,16 +166,17 @@ def test_labels_from_heads_of_known_accuracy_give_the_known_histogram(tiny_backb
 
     from mtp_train.data.acceptance import make_labels
     from mtp_train.decoding import Decoder
+    from mtp_train.decoding.plans import Chain
 
     dec = Decoder(tiny_backbone, eos_ids=[], drafter=OracleDrafter(tiny_backbone, right))
     prompts = [[5, 6, 7, 8], [40, 41], [100, 3, 9]]
-    m = make_labels(prompts, dec, tmp_path / "labels", 10, 2, {"heads_sha256": "x", "k": 3})
+    m = make_labels(prompts, dec, tmp_path / "labels", 10, 2, {"heads_sha256": "x", "k": 3}, Chain())
     hist = m["label_histogram"]
     assert sum(hist) == m["rows"] > 0 and hist[label] == m["rows"]
     ds = load_from_disk(str(tmp_path / "labels"))
     assert set(ds["label"]) == {label} and len(ds[0]["hidden"]) == 64 and len(ds[0]["head_probs"]) == 3
     assert set(ds["prompt"]) == {0, 1, 2}
-    again = make_labels(prompts, dec, tmp_path / "labels", 10, 2, {"heads_sha256": "x", "k": 3})
+    again = make_labels(prompts, dec, tmp_path / "labels", 10, 2, {"heads_sha256": "x", "k": 3}, Chain())
     assert again == m  # up to date: not decoded again
 
 
@@ -188,12 +185,13 @@ def test_clp_mode_accepting_everything_is_the_fixed_k_unverified_decode(tiny_bac
 
     bb, k, new = tiny_backbone, 3, 17
     drafter = OracleDrafter(bb, [True, False, True])
-    out = Decoder(bb, eos_ids=[], drafter=drafter).generate([7, 8, 9], new, "clp", span_policy=lambda h, p: k)
+    out = decode(Decoder(bb, eos_ids=[], drafter=drafter), [7, 8, 9], new, "clp", span_policy=lambda h, p: k)
     seq = [7, 8, 9]
     with torch.no_grad():
         seq.append(int(bb.model(torch.tensor([seq])).logits[0, -1].argmax()))
         while len(seq) - 3 < new:  # slow reference: commit k drafts, then the backbone's token
-            seq += drafter.draft(torch.tensor(seq), None, min(k, new - (len(seq) - 3) - 1))[0].tolist()
+            drafter.begin(torch.tensor(seq), None)
+            seq += [drafter.token(j) for j in range(1, min(k, new - (len(seq) - 3) - 1) + 1)]
             seq.append(int(bb.model(torch.tensor([seq])).logits[0, -1].argmax()))
     assert out.tokens == seq[3: 3 + new]
 
@@ -293,25 +291,22 @@ def test_a_predictor_with_non_finite_weights_is_never_written_nor_loaded(tmp_pat
     pred = LinearCLP(8, 3)
     with torch.no_grad():
         pred.net.weight[1, 2] = float("nan")
-    with pytest.raises(MtpError, match=r"clp.safetensors: not written, the fit diverged: net.weight has 1 non-finite"):
+    with pytest.raises(MtpError, match=r"predictor.safetensors: not written, the fit diverged: net.weight has 1 non-finite"):
         save_predictor(tmp_path / "p", pred, {"threshold": 1.0})
     assert not (tmp_path / "p").exists()
     good = LinearCLP(8, 3)
     save_predictor(tmp_path / "q", good, {"threshold": 1.0})
     state = {n: t.clone() for n, t in good.state_dict().items()}
     state["net.bias"][0] = float("inf")
-    save_file(state, str(tmp_path / "q" / "clp.safetensors"))
-    with pytest.raises(MtpError, match=r"q/clp.safetensors: net.bias has 1 non-finite values of 4"):
+    save_file(state, str(tmp_path / "q" / "predictor.safetensors"))
+    with pytest.raises(MtpError, match=r"q/predictor.safetensors: net.bias has 1 non-finite values of 4"):
         load_predictor(tmp_path / "q", 8, 3)
 
 
-def test_a_predictor_saved_before_the_rename_keeps_its_threshold(tmp_path):
-    """clp.json files written when the threshold was called "tau" are read as they are."""
+def test_a_predictor_without_a_calibrated_threshold_is_refused(tmp_path):
     from mtp_train.errors import MtpError
     from mtp_train.pipeline.evaluation import predictor_threshold
 
     assert predictor_threshold({"threshold": 0.8}, tmp_path) == 0.8
-    assert predictor_threshold({"tau": 0.7}, tmp_path) == 0.7
-    assert predictor_threshold({"threshold": 0.6, "tau": 0.9}, tmp_path) == 0.6
     with pytest.raises(MtpError, match="no threshold"):
         predictor_threshold({}, tmp_path)

@@ -8,31 +8,27 @@ import torch
 
 from mtp_train.config import HeadsConfig
 from mtp_train.decoding import CostPolicy, Decoder, DynamicTree, EntropyPolicy
-from mtp_train.heads import build_heads
+from mtp_train.decoding.costs import measure_matmuls
+from mtp_train.evaluation.decode import decode
+from mtp_train.heads.persist import build_heads
+from mtp_train.heads.registry import FAMILIES
 from mtp_train.trees import TreeShape
+from tests.helpers import ChainScript
 
 K = 3
 
 
-class ScriptedDrafter:
-    """Drafts from a known continuation: depth j is right iff right[j] (else a wrong token)."""
+class ScriptedDrafter(ChainScript):
+    """Drafts from a known continuation: depth j is right iff right[j - 1] (else a wrong token)."""
 
     def __init__(self, full: list[int], right: list[bool], vocab: int):
-        self.full, self.right, self.vocab, self.k = full, right, vocab, len(right)
+        super().__init__(len(right), vocab)
+        self.full, self.right = full, right
 
-    def reset(self):
-        pass
-
-    def draft(self, tokens, hidden, n):
-        N = len(tokens)
-        out = []
-        for j in range(n):
-            true = self.full[N + j] if N + j < len(self.full) else 0
-            out.append(true if self.right[j] else (true + 1) % self.vocab)
-        return torch.tensor(out, dtype=torch.long), torch.full((n,), 0.5)
-
-    def commit(self, n_before, kept):
-        pass
+    def token(self, j: int) -> int:
+        at = len(self.committed) + j - 1
+        true = self.full[at] if at < len(self.full) else 0
+        return true if self.right[j - 1] else (true + 1) % self.vocab
 
 
 def _prompts(n, seed=0, vocab=259):
@@ -54,9 +50,9 @@ def _random_heads(bb, typ, draft_ids=None, seed=0, share=False):
 def test_scripted_drafts_give_the_exact_tau_and_cache_length(tiny_backbone, right, tau):
     bb = tiny_backbone
     prompt, new = _prompts(1)[0], 33  # 1 from the prefill + 8 steps x 4 when everything is accepted
-    ref = Decoder(bb, eos_ids=[]).generate(prompt, new, "greedy")
+    ref = decode(Decoder(bb, eos_ids=[]), prompt, new, "greedy")
     drafter = ScriptedDrafter(prompt + ref.tokens, right, bb.vocab_size)
-    out = Decoder(bb, eos_ids=[], drafter=drafter).generate(prompt, new, "verify")
+    out = decode(Decoder(bb, eos_ids=[], drafter=drafter), prompt, new, "verify")
     assert out.tokens == ref.tokens
     steps = -(-(new - 1) // tau)  # ceil: the last step may be cut short by the token budget
     assert out.steps == steps
@@ -71,26 +67,26 @@ def test_scripted_drafts_give_the_exact_tau_and_cache_length(tiny_backbone, righ
 def test_clp_mode_with_accept_everything_commits_every_draft_unverified(tiny_backbone):
     bb = tiny_backbone
     prompt = _prompts(1, seed=3)[0]
-    ref = Decoder(bb, eos_ids=[]).generate(prompt, 30, "greedy")
+    ref = decode(Decoder(bb, eos_ids=[]), prompt, 30, "greedy")
     wrong = ScriptedDrafter(prompt + ref.tokens, [False] * K, bb.vocab_size)
-    out = Decoder(bb, eos_ids=[], drafter=wrong).generate(prompt, 30, "clp", span_policy=lambda h, p: K)
+    out = decode(Decoder(bb, eos_ids=[], drafter=wrong), prompt, 30, "clp", span_policy=lambda h, p: K)
     assert out.tau == pytest.approx((30 - 1) / out.steps) and out.accept_lengths[0] == K + 1
     assert out.tokens != ref.tokens  # wrong drafts were kept: lossy by construction
     assert out.cache_length == len(prompt) + 30 - 1
-    none = Decoder(bb, eos_ids=[], drafter=wrong).generate(prompt, 30, "clp", span_policy=lambda h, p: 0)
+    none = decode(Decoder(bb, eos_ids=[], drafter=wrong), prompt, 30, "clp", span_policy=lambda h, p: 0)
     assert none.tokens == ref.tokens and none.tau == 1.0
 
 
-@pytest.mark.parametrize("typ,draft", [("chained", None), ("medusa", None), ("chained", 40), ("medusa", 40)])
+@pytest.mark.parametrize("typ,draft", [(f, d) for f in FAMILIES for d in (None, 40)])
 def test_verify_is_identical_to_greedy_with_random_heads(tiny_backbone, typ, draft):
     bb = tiny_backbone
     draft_ids = None if draft is None else torch.arange(0, bb.vocab_size, bb.vocab_size // draft)[:draft]
     heads = _random_heads(bb, typ, draft_ids)
     dec = Decoder(bb, heads, eos_ids=[])
     for prompt in _prompts(12, seed=1):
-        g = dec.generate(prompt, 24, "greedy")
-        v = dec.generate(prompt, 24, "verify")
-        r = dec.generate(prompt, 24, "relaxed", budget=0.0, delta=0.3)
+        g = decode(dec, prompt, 24, "greedy")
+        v = decode(dec, prompt, 24, "verify")
+        r = decode(dec, prompt, 24, "relaxed", budget=0.0, delta=0.3)
         assert v.tokens == g.tokens == r.tokens
         assert v.accept_lengths == r.accept_lengths
         assert v.cache_length == len(prompt) + 23
@@ -109,7 +105,7 @@ def test_chained_drafts_equal_the_teacher_forced_heads(tiny_backbone, share):
     checked = 0
     for tree in (None, shape):
         for prompt in _prompts(5, seed=2):
-            out = dec.generate(prompt, 30, "verify", tree=tree, trace=True)
+            out = decode(dec, prompt, 30, "verify" if tree is None else "tree", tree=tree, trace=True)
             seq = torch.tensor([prompt + out.tokens])
             with torch.no_grad():
                 h = bb.hidden_states(seq)
@@ -139,7 +135,7 @@ class PlantedDrafter:
     def reset(self):
         pass
 
-    def begin(self, tokens, hidden):
+    def begin(self, tokens, hidden, aux=None):
         self.N = len(tokens)
         self.planted = self.ranks_at(self.N)
 
@@ -171,7 +167,7 @@ def test_tree_verify_is_greedy_and_accepts_exactly_the_planted_paths(tiny_backbo
     ranks; dynamic trees and chains are lossless too; the cache length is exact."""
     bb = tiny_backbone
     prompt, new = _prompts(1, seed=seed + 10)[0], 40
-    ref = Decoder(bb, eos_ids=[]).generate(prompt, new, "greedy")
+    ref = decode(Decoder(bb, eos_ids=[]), prompt, new, "greedy")
     g = torch.Generator().manual_seed(seed)
     table = {}
 
@@ -184,7 +180,7 @@ def test_tree_verify_is_greedy_and_accepts_exactly_the_planted_paths(tiny_backbo
     paths = set(shape.paths)
     for tree in (shape, TreeShape.chain(K), DynamicTree(nodes=12, topk=3, width=3)):
         drafter = PlantedDrafter(prompt + ref.tokens, ranks_at, bb.vocab_size, K)
-        out = Decoder(bb, eos_ids=[], drafter=drafter).generate(prompt, new, "verify", tree=tree, trace=True)
+        out = decode(Decoder(bb, eos_ids=[], drafter=drafter), prompt, new, "tree", tree=tree, trace=True)
         assert out.tokens == ref.tokens
         assert out.cache_length == len(prompt) + new - 1
         if isinstance(tree, TreeShape):
@@ -206,23 +202,23 @@ def test_kv_cache_equals_sequential_decoding_after_every_tree_step(tiny_backbone
     checked = []
 
     class Checking(Decoder):
-        def _commit(self, st, d, path, out, logits, aux=None):
-            super()._commit(st, d, path, out, logits, aux)
+        def _commit(self, st, d, path, out, logits, aux, accept):
+            super()._commit(st, d, path, out, logits, aux, accept)
             ref = DynamicCache()
-            self._forward(st.tokens[:-1], ref)
+            self.forward(st.tokens[:-1], ref)
             assert st.cache.get_seq_length() == ref.get_seq_length() == len(st.tokens) - 1
             for a, b in zip(st.cache.layers, ref.layers, strict=True):
                 torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
                 torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
             checked.append(len(path))
 
-    for typ in ("chained", "medusa", "eagle3"):
+    for typ in FAMILIES:
         heads = _random_heads(bb, typ, seed=7)
         dec = Checking(bb, heads, eos_ids=[])
         shape = TreeShape.of([(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)])
         for prompt in _prompts(3, seed=8):
-            dec.generate(prompt, 20, "verify", tree=shape)
-            dec.generate(prompt, 20, "verify", tree=DynamicTree(nodes=8, topk=2, width=2))
+            decode(dec, prompt, 20, "tree", tree=shape)
+            decode(dec, prompt, 20, "dynamic", tree=DynamicTree(nodes=8, topk=2, width=2))
     assert len(checked) > 20 and max(checked) >= 1  # some steps kept drafts off the first branch too
 
 
@@ -240,12 +236,12 @@ def test_tree_forward_matches_a_slow_per_node_reference(tiny_backbone):
     dec = Decoder(bb, eos_ids=[])
     with torch.no_grad():
         cache = DynamicCache()
-        dec._forward(torch.tensor(prompt[:-1]), cache)
+        dec.forward(torch.tensor(prompt[:-1]), cache)
         L = len(prompt) - 1
         ids = torch.tensor([prompt[-1], *tree.tokens])
         pos = torch.tensor([[L] + [L + x for x in tree.depths]])
         mask = tree_attention_mask(tree.parents, L, torch.float32)
-        out = dec._forward(ids, cache, attention_mask=mask, position_ids=pos)
+        out = dec.forward(ids, cache, attention_mask=mask, position_ids=pos)
         for v in range(tree.n):
             seq = prompt + [tree.tokens[a] for a in tree.path_to(v)]
             ref = bb.hidden_states(torch.tensor([seq]))[0, -1]
@@ -275,20 +271,20 @@ def test_bf16_decoding_equals_a_bf16_greedy_loop(tiny_backbone):
             for _ in range(20):
                 out.append(int(logits.argmax()))
                 logits = bb.model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
-        g = dec.generate(prompt, 20, "greedy")
+        g = decode(dec, prompt, 20, "greedy")
         assert g.tokens == out
-        assert dec.generate(prompt, 20, "verify", tree=shape).tokens == out
+        assert decode(dec, prompt, 20, "tree", tree=shape).tokens == out
 
 
 def test_eos_inside_an_accepted_draft_stops_where_greedy_stops(tiny_backbone):
     bb = tiny_backbone
     prompt = _prompts(1, seed=5)[0]
-    ref = Decoder(bb, eos_ids=[]).generate(prompt, 30, "greedy")
+    ref = decode(Decoder(bb, eos_ids=[]), prompt, 30, "greedy")
     eos = ref.tokens[6]  # declare the 7th greedy token an end-of-sequence token
     first = ref.tokens.index(eos)
-    g = Decoder(bb, eos_ids=[eos]).generate(prompt, 30, "greedy")
+    g = decode(Decoder(bb, eos_ids=[eos]), prompt, 30, "greedy")
     drafter = ScriptedDrafter(prompt + ref.tokens, [True] * K, bb.vocab_size)
-    v = Decoder(bb, eos_ids=[eos], drafter=drafter).generate(prompt, 30, "verify")
+    v = decode(Decoder(bb, eos_ids=[eos], drafter=drafter), prompt, 30, "verify")
     assert g.tokens == v.tokens == ref.tokens[: first + 1]
     assert g.stopped == v.stopped == "eos"
 
@@ -296,13 +292,12 @@ def test_eos_inside_an_accepted_draft_stops_where_greedy_stops(tiny_backbone):
 def test_adaptive_drafts_fewer_heads_when_acceptance_is_low(tiny_backbone):
     bb = tiny_backbone
     prompt = _prompts(1, seed=6)[0]
-    ref = Decoder(bb, eos_ids=[]).generate(prompt, 40, "greedy")
+    ref = decode(Decoder(bb, eos_ids=[]), prompt, 40, "greedy")
     cost = [1.0, 1.1, 1.2, 1.3]
     counts = {}
     for name, right in (("good", [True] * K), ("bad", [False] * K)):
         drafter = ScriptedDrafter(prompt + ref.tokens, right, bb.vocab_size)
-        out = Decoder(bb, eos_ids=[], drafter=drafter).generate(
-            prompt, 40, "adaptive", depth_policy=CostPolicy.chains(K, cost))
+        out = decode(Decoder(bb, eos_ids=[], drafter=drafter), prompt, 40, "adaptive", depth_policy=CostPolicy.chains(K, cost))
         assert out.tokens == ref.tokens  # adaptive verifies: still lossless
         counts[name] = sum(out.drafted[5:]) / len(out.drafted[5:])
     assert counts["bad"] < 0.5 <= K - 0.5 <= counts["good"]
@@ -317,9 +312,9 @@ def test_adaptive_drafts_fewer_heads_when_acceptance_is_low(tiny_backbone):
 def test_bad_mode_arguments_are_refused(tiny_backbone):
     dec = Decoder(tiny_backbone, eos_ids=[])
     with pytest.raises(ValueError, match="needs heads"):
-        dec.generate([5, 6], 4, "verify")
+        decode(dec, [5, 6], 4, "verify")
     with pytest.raises(ValueError, match="unknown decoding mode"):
-        dec.generate([5, 6], 4, "beam")
+        decode(dec, [5, 6], 4, "beam")
 
 
 def test_routed_linears_compute_the_same_in_either_layout_and_are_undone():
@@ -348,10 +343,10 @@ def test_measured_layout_covers_every_weight_and_keeps_decoding_lossless(tiny_ba
     bb = tiny_backbone
     heads = _random_heads(bb, "chained", seed=5)
     dec = Decoder(bb, heads, eos_ids=[])
-    plan = dec.measure_matmuls(reps=1, buckets=(1, 4))
+    plan = measure_matmuls(dec, reps=1, buckets=(1, 4))
     for m in (bb.model, heads):
         for lin in (x for x in m.modules() if type(x) is torch.nn.Linear):
             choice = plan.choices[MatmulPlan.key(lin.weight)]
             assert len(choice) == len(ROW_BUCKETS) and choice[1] is False  # not measured: F.linear
     prompt = _prompts(1, seed=12)[0]
-    assert dec.generate(prompt, 20, "verify").tokens == Decoder(bb, eos_ids=[]).generate(prompt, 20, "greedy").tokens
+    assert decode(dec, prompt, 20, "verify").tokens == decode(Decoder(bb, eos_ids=[]), prompt, 20, "greedy").tokens

@@ -10,7 +10,8 @@ import torch
 
 from mtp_train import layout
 from mtp_train.errors import MtpError
-from mtp_train.evaluate import (
+from mtp_train.evaluation.decode import decode
+from mtp_train.evaluation.metrics import (
     ROUNDING_ULPS,
     backbone_nll,
     count_divergences,
@@ -22,12 +23,9 @@ from mtp_train.evaluate import (
 )
 from tests.helpers import run_eval, wandb_offline_runs
 
-CORE_KEYS = {"tau", "alpha", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
+CORE_KEYS = {"tau", "acceptance", "tokens_per_s", "speedup_vs_hf", "repetition_ratio", "backbone_nll",
              "greedy_match_rate", "identical_to_greedy", "n_prompts", "new_tokens", "speedup_vs_best_hf"}
-FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=3",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-        "data.distill.max_train_prompts=16", "data.distill.max_val_prompts=4",
-        "loss.topk=0"]  # the plain-KL heads these tests were written against (the demo adds a top-K term)
+FAST = ["debug=smoke", "trainer.max_steps=6", "trainer.val_check_interval=3"]
 
 
 def test_repetition_ratio_and_first_divergence_by_hand():
@@ -109,8 +107,8 @@ def test_divergence_lines_tell_rounding_from_a_wrong_verification():
 def trained_heads(tmp_path_factory):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.config import validate
-    from mtp_train.entry import CONF_DIR
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
     from tests.helpers import run_train
 
     root = tmp_path_factory.mktemp("eval")
@@ -124,15 +122,16 @@ def trained_heads(tmp_path_factory):
 def _eval_cfg(root, *overrides):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.config import validate
-    from mtp_train.entry import CONF_DIR
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return validate(compose("config", overrides=[
             f"paths.root_dir={root}", f"paths.output_dir={root}/eval", *FAST, "eval.n_prompts=3",
-            "eval.max_new_tokens=12", "eval.rounds=3", f"eval.heads={root}/train", *overrides]))
+            "eval.max_new_tokens=12", "eval.rounds=3", f"eval.train_run={root}/train", *overrides]))
 
 
+@pytest.mark.integration
 def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_heads):
     root = trained_heads
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,verify,relaxed,adaptive]", "eval.budget=0", "eval.rounds=3"))
@@ -146,11 +145,13 @@ def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_head
     assert saved["details"]["verify"]["divergences"] == 0 and saved["divergence"] == []
     assert "divergences_judged" not in saved["details"]["relaxed"]  # lossy modes are not judged
     assert saved["modes"]["relaxed"]["identical_to_greedy"] is True  # budget 0 = verify
-    assert 1.0 <= v["tau"] <= 3.0 and len(v["alpha"]) == 2
+    assert len(v["acceptance"]) == 2
     assert saved["modes"]["greedy"]["backbone_nll"] == pytest.approx(v["backbone_nll"])
     assert saved["step_cost"] > 0 and saved["k"] == 2 and saved["sim_tau"] is not None
     hist = saved["details"]["verify"]["accept_hist"]
     assert len(hist) == 3 and sum(hist) > 0
+    # tau counts what the steps committed: hist[n] steps took n drafts and the backbone's token
+    assert v["tau"] == pytest.approx(sum((n + 1) * c for n, c in enumerate(hist)) / sum(hist))
     assert math.isclose(saved["modes"]["hf_generate"]["speedup_vs_hf"], 1.0)
     assert (root / "eval" / "speedup.png").stat().st_size > 0 and (root / "eval" / "acceptance.png").is_file()
     assert report["modes"]["verify"] == v
@@ -167,6 +168,7 @@ def test_eval_report_has_the_contracted_keys_and_verify_is_lossless(trained_head
     assert saved["details"]["verify"]["plausible_max_speedup"] == pytest.approx(1.15 * v["tau"] * max(1.0, g))
 
 
+@pytest.mark.integration
 def test_tree_modes_are_lossless_and_the_report_says_what_this_machine_chose(trained_heads):
     root = trained_heads
     assert (root / "train" / "tree_stats.json").is_file()  # written by mtp-train beside the heads
@@ -199,13 +201,14 @@ def test_tree_modes_are_lossless_and_the_report_says_what_this_machine_chose(tra
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_them(trained_heads, tmp_path):
     import shutil
 
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.config import validate
-    from mtp_train.entry import CONF_DIR
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
     from tests.helpers import run_train
 
     root = trained_heads
@@ -213,7 +216,7 @@ def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_t
     shutil.copytree(root / "train", old)
     (old / "tree_stats.json").unlink()
     with pytest.raises(MtpError, match=r"eval.modes: mode tree .*tree_stats.json.*mtp-train"):
-        run_eval(_eval_cfg(root, f"eval.heads={old}", "eval.modes=[tree]"))
+        run_eval(_eval_cfg(root, f"eval.train_run={old}", "eval.modes=[tree]"))
     before = (old / "heads.safetensors").read_bytes()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = validate(compose("config", overrides=[f"paths.root_dir={root}", f"paths.output_dir={old}",
@@ -224,6 +227,7 @@ def test_mode_tree_without_rank_statistics_names_the_fix_and_mtp_train_records_t
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_eval_bad_inputs_name_the_problem(trained_heads, tmp_path):
     root = trained_heads
     empty = tmp_path / "p.jsonl"
@@ -234,16 +238,17 @@ def test_eval_bad_inputs_name_the_problem(trained_heads, tmp_path):
     none.write_text("\n")
     with pytest.raises(MtpError, match="no prompts"):
         run_eval(_eval_cfg(root, f"eval.prompts={none}"))
-    with pytest.raises(MtpError, match="eval.heads"):
-        run_eval(_eval_cfg(root, "eval.heads=null"))
+    with pytest.raises(MtpError, match="eval.train_run"):
+        run_eval(_eval_cfg(root, "eval.train_run=null"))
     bad = tmp_path / "heads"
     bad.mkdir()
     (bad / "heads.json").write_text((root / "train" / "heads.json").read_text())
     (bad / "heads.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(MtpError, match="heads.safetensors: not a readable safetensors"):
-        run_eval(_eval_cfg(root, f"eval.heads={bad}"))
+        run_eval(_eval_cfg(root, f"eval.train_run={bad}"))
 
 
+@pytest.mark.integration
 def test_over_long_prompts_are_skipped_and_counted(trained_heads, tmp_path):
     root = trained_heads
     f = tmp_path / "p.jsonl"
@@ -252,6 +257,7 @@ def test_over_long_prompts_are_skipped_and_counted(trained_heads, tmp_path):
     assert report["skipped_prompts"] == 1 and report["modes"]["greedy"]["n_prompts"] == 1
 
 
+@pytest.mark.integration
 def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
     root = trained_heads
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -267,6 +273,7 @@ def test_eval_logs_its_table_to_wandb_offline(trained_heads, monkeypatch):
     assert (record["name"], record["group"], record["job_type"]) == (f"{cfg.experiment_name}-eval", "", "eval")
 
 
+@pytest.mark.integration
 def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypatch):
     import shutil
 
@@ -275,12 +282,12 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     root = trained_heads
     clp_args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=3", "clp.max_new_tokens=16", "clp.epochs=3",
                 "clp.calib_prompts=2", "clp.thresholds=[0.9,0.5]", "eval.max_new_tokens=12",
-                f"clp.heads={root}/train"]
+                f"clp.train_run={root}/train"]
     cfg = _eval_cfg(root, *clp_args, f"paths.output_dir={root}/clp")
     res = run_clp(cfg)
     assert sum(res["label"]["label_histogram"]) == res["label"]["rows"] > 0
     assert set(res["fit"]) == {"clp", "gate"} and set(res["calibrate"]) == {"clp", "gate"}
-    meta = json.loads((root / "clp" / "clp" / "clp.json").read_text())
+    meta = json.loads((root / "clp" / "clp" / "predictor.json").read_text())
     assert meta["parameters"] == 64 * 3 + 3 and meta["threshold"] in (0.9, 0.5, 1.0) and "calibration" in meta
     # a rerun skips every finished stage (and keeps their wall times); other thresholds recalibrate only
     times = json.loads((root / "clp" / "stage_times.json").read_text())
@@ -289,21 +296,21 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert all(r["skipped"] for stage in ("fit", "calibrate") for r in again[stage].values())
     assert json.loads((root / "clp" / "stage_times.json").read_text()) == times
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    retuned = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.9,0.6]", f"clp.heads={root}/train",
+    retuned = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.9,0.6]", f"clp.train_run={root}/train",
                                 f"paths.output_dir={root}/clp", "logger=wandb"))
     assert all(r["skipped"] for r in retuned["fit"].values())
     assert not any(r["skipped"] for r in retuned["calibrate"].values())
     (record,) = wandb_offline_runs(root / "clp")  # with logger=wandb, mtp-clp is a `clp` job
     assert record["job_type"] == "clp" and record["name"].endswith("-clp")
-    eval_args = ["eval.modes=[greedy,clp,gate,clp+verify]", f"eval.clp={root}/clp/clp", f"eval.gate={root}/clp/gate"]
+    eval_args = ["eval.modes=[greedy,clp,gate,clp+verify]", f"eval.clp_run={root}/clp"]
     report = run_eval(_eval_cfg(root, *eval_args))
-    import mtp_train.evaluate as evaluate_mod
+    import mtp_train.evaluation.runner as runner_mod
 
     def no_decoding(*a, **k):
         raise AssertionError("a finished evaluation decoded again")
 
     with monkeypatch.context() as m:
-        m.setattr(evaluate_mod, "run_modes", no_decoding)
+        m.setattr(runner_mod, "run_modes", no_decoding)
         assert run_eval(_eval_cfg(root, *eval_args)) == report  # same inputs: the saved report
         with pytest.raises(AssertionError, match="decoded again"):  # another setting measures again
             run_eval(_eval_cfg(root, *eval_args, "eval.delta=0.2"))
@@ -312,7 +319,7 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     _check_pipeline_report(root, report)
     assert report["predictors"]["gate"]["parameters"] > 100 * report["predictors"]["clp"]["parameters"]
     # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
-    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp={root}/clp/clp",
+    report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp_run={root}/clp",
                                 "eval.span_threshold=0.05"))
     assert report["predictors"]["clp"]["threshold"] == 0.05 == report["predictors"]["clp+verify"]["threshold"]
     assert report["modes"]["clp+verify"]["identical_to_greedy"] is True
@@ -324,14 +331,14 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     state = load_file(str(other / "heads.safetensors"))
     save_file({n: t + 1e-3 for n, t in state.items()}, str(other / "heads.safetensors"))
     with pytest.raises(MtpError, match="another heads checkpoint"):
-        run_clp(_eval_cfg(root, *clp_args[:-1], f"clp.heads={other}", f"paths.output_dir={root}/clp",
+        run_clp(_eval_cfg(root, *clp_args[:-1], f"clp.train_run={other}", f"paths.output_dir={root}/clp",
                           "stage=fit"))
     # and a predictor fitted for other heads is neither recalibrated nor used with these
-    with pytest.raises(MtpError, match=r"clp: fitted on the labels of other heads than clp.heads="):
-        run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.7]", f"clp.heads={other}",
+    with pytest.raises(MtpError, match=r"clp: fitted on the labels of other heads than clp.train_run="):
+        run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.7]", f"clp.train_run={other}",
                           f"paths.output_dir={root}/clp", "stage=calibrate"))
-    with pytest.raises(MtpError, match=r"^eval.clp: .* was fitted on the acceptance of other heads"):
-        run_eval(_eval_cfg(root, "eval.modes=[greedy,clp]", f"eval.heads={other}", f"eval.clp={root}/clp/clp",
+    with pytest.raises(MtpError, match=r"^eval.clp_run: .* was fitted on the acceptance of other heads"):
+        run_eval(_eval_cfg(root, "eval.modes=[greedy,clp]", f"eval.train_run={other}", f"eval.clp_run={root}/clp",
                            f"paths.output_dir={root}/eval_other"))
 
 
@@ -342,23 +349,25 @@ class _Killed(Exception):
 def _deterministic_calibration(meta: dict) -> list:
     """What a calibration measured apart from wall time: per threshold, accepted length, repetition, NLL."""
     cal = meta["calibration"]
-    keep = ("accepted_length", "repetition_ratio", "backbone_nll")
+    keep = ("tau", "repetition_ratio", "backbone_nll")
     return [[round(r[k], 9) for k in keep] for r in [cal["greedy"], *cal["thresholds"]]]
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained_heads, monkeypatch):
     """A kill in labelling (after one shard), fitting (after the first predictor) or calibration
     (after the first predictor) leaves nothing half-written; the rerun redoes only what is missing and
     ends where an uninterrupted run ends."""
     import mtp_train.clp as clp_mod
     import mtp_train.data.acceptance as labels_mod
+    import mtp_train.evaluation.calibration as calibration_mod
     from mtp_train.pipeline.clp_run import run_clp
 
     root = trained_heads
     args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=2", "clp.max_new_tokens=12",
             "clp.epochs=2", "clp.calib_prompts=2", "clp.thresholds=[0.9,0.5]", "eval.max_new_tokens=10",
-            f"clp.heads={root}/train"]
+            f"clp.train_run={root}/train"]
     run_clp(_eval_cfg(root, *args, f"paths.output_dir={root}/clp_straight"))
 
     def dies_on_call(n, real):
@@ -378,7 +387,7 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
         return wrapped
 
     cases = {"label": (labels_mod, "publish_dir", 2), "fit": (clp_mod, "save_predictor", 2),
-             "calibrate": (clp_mod, "sweep_thresholds", 2)}
+             "calibrate": (calibration_mod, "sweep_thresholds", 2)}
     for stage, (module, name, n) in cases.items():
         out = root / f"clp_killed_in_{stage}"
         with monkeypatch.context() as m:
@@ -390,13 +399,13 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
             finished = [p.name for p in layout.shards_dir(out / layout.LABELS).iterdir() if p.is_dir() and ".tmp-" not in p.name]
             assert finished == ["00000"]
         elif stage == "fit":
-            assert (out / "clp" / "clp.safetensors").is_file() and not (out / "gate").exists()
+            assert (out / "clp" / "predictor.safetensors").is_file() and not (out / "gate").exists()
         else:
-            assert "calibration" in json.loads((out / "clp" / "clp.json").read_text())
-            assert "calibration" not in json.loads((out / "gate" / "clp.json").read_text())
+            assert "calibration" in json.loads((out / "clp" / "predictor.json").read_text())
+            assert "calibration" not in json.loads((out / "gate" / "predictor.json").read_text())
         decodes, published = [], []
         with monkeypatch.context() as m:
-            m.setattr(clp_mod, "sweep_thresholds", counting(clp_mod.sweep_thresholds, decodes))
+            m.setattr(calibration_mod, "sweep_thresholds", counting(calibration_mod.sweep_thresholds, decodes))
             m.setattr(labels_mod, "publish_dir", counting(labels_mod.publish_dir, published))
             again = run_clp(_eval_cfg(root, *args, f"paths.output_dir={out}"))
         if stage == "label":  # the two missing shards, then the labels dataset
@@ -407,10 +416,10 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
         if stage == "fit":
             assert again["fit"]["clp"]["skipped"] and not again["fit"]["gate"].get("skipped")
         for kind in ("clp", "gate"):
-            a = (root / "clp_straight" / kind / "clp.safetensors").read_bytes()
-            assert (out / kind / "clp.safetensors").read_bytes() == a, (stage, kind)
-            ma = json.loads((root / "clp_straight" / kind / "clp.json").read_text())
-            mb = json.loads((out / kind / "clp.json").read_text())
+            a = (root / "clp_straight" / kind / "predictor.safetensors").read_bytes()
+            assert (out / kind / "predictor.safetensors").read_bytes() == a, (stage, kind)
+            ma = json.loads((root / "clp_straight" / kind / "predictor.json").read_text())
+            mb = json.loads((out / kind / "predictor.json").read_text())
             assert mb["fit"] == ma["fit"] and mb["label_histogram"] == ma["label_histogram"], (stage, kind)
             assert _deterministic_calibration(mb) == _deterministic_calibration(ma), (stage, kind)
         assert not layout.shards_dir(out / layout.LABELS).exists()
@@ -418,6 +427,7 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_mtp_eval_killed_while_decoding_writes_no_report_and_the_rerun_decodes_the_same(trained_heads,
                                                                                         monkeypatch):
     from mtp_train.decoding import Decoder
@@ -439,10 +449,10 @@ def test_mtp_eval_killed_while_decoding_writes_no_report_and_the_rerun_decodes_t
         with pytest.raises(_Killed):
             run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
     assert not (out / "eval_report.json").exists() and not (out / "outputs.json").exists()
-    import mtp_train.evaluate as evaluate_mod
+    import mtp_train.evaluation.render as render_mod
 
     with monkeypatch.context() as m:  # killed while writing what comes beside the report
-        m.setattr(evaluate_mod, "write_plots", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
+        m.setattr(render_mod, "write_plots", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
         with pytest.raises(_Killed):
             run_eval(_eval_cfg(root, *args, f"paths.output_dir={out}"))
     assert not (out / "eval_report.json").exists()  # the report, the mark of a finished run, comes last
@@ -450,7 +460,7 @@ def test_mtp_eval_killed_while_decoding_writes_no_report_and_the_rerun_decodes_t
     assert json.loads((out / "outputs.json").read_text()) == json.loads(
         (root / "eval_straight" / "outputs.json").read_text())
     for mode in ("greedy", "verify"):
-        for key in ("tau", "alpha", "identical_to_greedy", "new_tokens", "backbone_nll"):
+        for key in ("tau", "acceptance", "identical_to_greedy", "new_tokens", "backbone_nll"):
             assert again["modes"][mode][key] == straight["modes"][mode][key], (mode, key)
 
 
@@ -467,6 +477,7 @@ def _check_pipeline_report(root, report):
     assert "| train |" in page and "| clp |" in page
 
 
+@pytest.mark.integration
 def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_text(trained_heads, tmp_path):
     """The cache route (teacher-forced drafts on the backbone's own greedy text) gives, at every
     step of a verify decode, the label m* that the decode itself records."""
@@ -476,10 +487,10 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
     from mtp_train.backbone import load_backbone
     from mtp_train.data.acceptance import labels_from_cache
     from mtp_train.decoding import Decoder
-    from mtp_train.evaluate import held_out_prompts
-    from mtp_train.heads import load_heads
+    from mtp_train.depth_targets import IGNORE
+    from mtp_train.evaluation.prompts import held_out_prompts
+    from mtp_train.heads.persist import load_heads
     from mtp_train.layout import labelled_dir
-    from mtp_train.targets import IGNORE
 
     root = trained_heads
     cfg = _eval_cfg(root)
@@ -497,7 +508,7 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
         dec = Decoder(backbone, heads, eos_ids=[])
         rows, hidden, top, decoded = [], [], [], {}
         for i, prompt in enumerate(prompts):
-            res = dec.generate(prompt, 24, "verify", trace=True)
+            res = decode(dec, prompt, 24, "verify", trace=True)
             ids = torch.tensor(prompt + res.tokens)
             with torch.no_grad():
                 h = backbone.hidden_states(ids[None])[0]
@@ -538,6 +549,7 @@ def test_labels_from_the_cache_are_the_labels_decoding_gives_on_the_same_greedy_
 
 
 @pytest.mark.parametrize("split", ["validation", "train"])
+@pytest.mark.integration
 def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, split):
     """The default labels the self-distilled validation rows, which the heads never trained on."""
     import dataclasses
@@ -551,7 +563,7 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
     from mtp_train.pipeline.clp_run import distilled_cache, run_clp
 
     root = trained_heads
-    over = ["clp.label_source=cache", f"clp.heads={root}/train", "stage=label",
+    over = ["clp.label_source=cache", f"clp.train_run={root}/train", "stage=label",
             f"paths.output_dir={root}/labels_{split}"] + ([] if split == "validation" else [f"clp.label_split={split}"])
     cfg = _eval_cfg(root, *over)
     run_prep(dataclasses.replace(cfg, stage="cache"))  # once: keyed by the data, reused after
@@ -563,10 +575,10 @@ def test_cache_labels_come_from_the_split_clp_label_split_names(trained_heads, s
         h = np.asarray(cache.row(split, first + int(ds["prompt"][r])), dtype=np.float32)
         assert np.abs(h - ds["hidden"][r]).sum(-1).min() < 1e-4
     # tau is calibrated on prompts whose answers the predictor was not fitted on
-    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.depth_targets import IGNORE
+    from mtp_train.evaluation.prompts import held_out_prompts
     from mtp_train.layout import labelled_dir
     from mtp_train.pipeline.clp_run import calibration_prompts, held_out_by_fit
-    from mtp_train.targets import IGNORE
 
     def prompt_of(row):
         return tuple(row["input_ids"][: next(i for i, v in enumerate(row["labels"]) if v != IGNORE)])
@@ -593,7 +605,7 @@ def _result(tokens, accept_lengths):
 
 
 def test_summarise_takes_the_median_over_rounds_and_reports_the_spread():
-    from mtp_train.evaluate import summarise
+    from mtp_train.evaluation.metrics import summarise
 
     outs = [[1, 2, 3, 4], [5, 6]]
     res = [_result(outs[0], [2, 2]), _result(outs[1], [1, 1])]
@@ -610,7 +622,7 @@ def test_summarise_takes_the_median_over_rounds_and_reports_the_spread():
 
 
 def test_plausibility_bound_flags_speedups_beyond_what_tau_allows():
-    from mtp_train.evaluate import plausibility_flags
+    from mtp_train.evaluation.metrics import plausibility_flags
 
     def report(**speed_tau):
         modes = {n: {"speedup_vs_hf": s, "tau": t} for n, (s, t) in speed_tau.items()}
@@ -634,29 +646,28 @@ def test_plausibility_bound_flags_speedups_beyond_what_tau_allows():
 
 def _decoding_log(monkeypatch):
     """Record HF generate's and the decoder's calls in order (warm-up included) as mode names."""
-    import mtp_train.evaluate as evaluate_mod
-    from mtp_train.decoding import Decoder
+    import mtp_train.evaluation.runner as runner_mod
 
     calls = []
-    hf, gen = evaluate_mod.hf_generate, Decoder.generate
+    hf, dec = runner_mod.hf_generate, runner_mod.decode
 
     def logged_hf(*a, **k):
         calls.append("hf_generate")
         return hf(*a, **k)
 
-    def logged_gen(self, prompt, max_new_tokens, mode="greedy", **opts):
-        calls.append(mode)
-        return gen(self, prompt, max_new_tokens, mode, **opts)
+    def logged_decode(decoder, prompt, max_new_tokens, name="greedy", **opts):
+        calls.append(name)
+        return dec(decoder, prompt, max_new_tokens, name, **opts)
 
-    monkeypatch.setattr(evaluate_mod, "hf_generate", logged_hf)
-    monkeypatch.setattr(Decoder, "generate", logged_gen)
+    monkeypatch.setattr(runner_mod, "hf_generate", logged_hf)
+    monkeypatch.setattr(runner_mod, "decode", logged_decode)
     return calls
 
 
 def _tiny_run(root):
     from mtp_train.backbone import load_backbone
-    from mtp_train.evaluate import held_out_prompts
-    from mtp_train.heads import load_heads
+    from mtp_train.evaluation.prompts import held_out_prompts
+    from mtp_train.heads.persist import load_heads
     from mtp_train.layout import labelled_dir
 
     cfg = _eval_cfg(root, "eval.modes=[greedy,verify]", "eval.warmup=0", "eval.rounds=2")
@@ -665,8 +676,9 @@ def _tiny_run(root):
     return cfg, backbone, heads, held_out_prompts(labelled_dir(cfg))[:3]
 
 
+@pytest.mark.integration
 def test_rounds_rotate_the_order_so_no_mode_always_runs_first(trained_heads, monkeypatch):
-    from mtp_train.evaluate import round_order, run_modes
+    from mtp_train.evaluation.runner import round_order, run_modes
 
     cfg, backbone, heads, prompts = _tiny_run(trained_heads)
     calls = _decoding_log(monkeypatch)
@@ -688,22 +700,23 @@ def test_rounds_rotate_the_order_so_no_mode_always_runs_first(trained_heads, mon
     assert outputs["verify"] == outputs["greedy"] and len(outputs["hf_generate"]) == 3
 
 
+@pytest.mark.integration
 def test_a_later_round_that_decodes_other_tokens_is_marked_nondeterministic(trained_heads, monkeypatch):
-    from mtp_train.decoding import Decoder
-    from mtp_train.evaluate import run_modes
+    import mtp_train.evaluation.runner as runner_mod
+    from mtp_train.evaluation.runner import run_modes
 
     cfg, backbone, heads, prompts = _tiny_run(trained_heads)
-    gen, seen = Decoder.generate, set()
+    dec, seen = runner_mod.decode, set()
 
-    def flaky_verify(self, prompt, max_new_tokens, mode="greedy", **opts):
-        res = gen(self, prompt, max_new_tokens, mode, **opts)
-        key = (mode, tuple(prompt))
-        if mode == "verify" and key in seen:  # the second time verify decodes a prompt: other tokens
+    def flaky_verify(decoder, prompt, max_new_tokens, name="greedy", **opts):
+        res = dec(decoder, prompt, max_new_tokens, name, **opts)
+        key = (name, tuple(prompt))
+        if name == "verify" and key in seen:  # the second time verify decodes a prompt: other tokens
             res.tokens = res.tokens[:-1] + [(res.tokens[-1] + 1) % 100]
         seen.add(key)
         return res
 
-    monkeypatch.setattr(Decoder, "generate", flaky_verify)
+    monkeypatch.setattr(runner_mod, "decode", flaky_verify)
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval)
     assert report["details"]["verify"]["nondeterministic"] is True
     assert report["details"]["greedy"]["nondeterministic"] is False
@@ -717,9 +730,9 @@ def _mode(speed, tau, rep=0.2, nll=0.6, same=True):
 
 
 def test_print_table_shows_the_spread_and_the_flags(capsys):
-    from mtp_train.evaluate import format_speedup, print_table
+    from mtp_train.evaluation.render import format_speedup, print_table
 
-    m = _mode(1.21, 1.9) | {"tokens_per_s": 10.0, "alpha": [0.5], "greedy_match_rate": 1.0}
+    m = _mode(1.21, 1.9) | {"tokens_per_s": 10.0, "acceptance": [0.5], "greedy_match_rate": 1.0}
     report = {"k": 1, "step_cost": 1.0, "modes": {"verify": m}, "rounds": 3,
               "details": {"verify": {"speedup_rounds": [1.15, 1.21, 1.3], "speedup_spread": [1.15, 1.3]}},
               "flags": ["verify: speedup 9.99x exceeds what tau 1.00 allows (<= 1.15x); the machine was probably loaded"]}
@@ -731,7 +744,7 @@ def test_print_table_shows_the_spread_and_the_flags(capsys):
 
 
 def test_prompt_messages_stop_before_the_first_answer_and_need_a_user_turn():
-    from mtp_train.evaluate import prompt_messages
+    from mtp_train.evaluation.prompts import prompt_messages
 
     sys_, user, ans = ({"role": r, "content": r} for r in ("system", "user", "assistant"))
     assert prompt_messages([sys_, user, ans, user, ans]) == [sys_, user]
@@ -740,6 +753,7 @@ def test_prompt_messages_stop_before_the_first_answer_and_need_a_user_turn():
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_unseen_prompts_on_the_tiny_data_source_are_an_error_naming_the_key(trained_heads):
     from mtp_train.errors import ConfigError
 
@@ -747,6 +761,7 @@ def test_unseen_prompts_on_the_tiny_data_source_are_an_error_naming_the_key(trai
         run_eval(_eval_cfg(trained_heads, "eval.prompt_source=unseen"))
 
 
+@pytest.mark.integration
 def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_path, monkeypatch):
     import random
 
@@ -754,7 +769,7 @@ def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_pat
     from data_prep.stages import run_prep
     from mtp_train.backbone import load_backbone
     from mtp_train.data.template import render_prompt
-    from mtp_train.evaluate import dataset_ids
+    from mtp_train.evaluation.prompts import dataset_ids
     from mtp_train.layout import labelled_dir
     from mtp_train.pipeline.evaluation import eval_key, select_prompts
 
@@ -772,8 +787,8 @@ def test_unseen_prompts_are_the_conversations_the_dataset_did_not_sample(tmp_pat
     def cfg_of(*extra):
         from hydra import compose, initialize_config_dir
 
-        from mtp_train.config import validate
-        from mtp_train.entry import CONF_DIR
+        from mtp_train.cli.common import CONF_DIR
+        from mtp_train.config_rules import validate
 
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             return validate(compose("config", overrides=[
@@ -822,7 +837,7 @@ def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_
     """Prompts are held to the data stage's rules: an unknown role is not rendered as
     `<|im_start|>wizard`, and bytes that are not UTF-8 are an error naming line and column."""
     from mtp_train.errors import DataError
-    from mtp_train.evaluate import load_prompts_jsonl
+    from mtp_train.evaluation.prompts import load_prompts_jsonl
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"messages": [{"from": "human", "value": "fine"}]}\n' + content)
@@ -830,6 +845,25 @@ def test_a_bad_prompts_file_line_is_refused_naming_the_line(tiny_tokenizer, tmp_
         load_prompts_jsonl(path, tiny_tokenizer)
     path.write_bytes(b'{"messages": [{"from": "human", "value": "fine"}]}\n')
     assert len(load_prompts_jsonl(path, tiny_tokenizer)) == 1
+
+
+@pytest.mark.bad_input
+def test_prompt_files_are_read_by_the_data_stages_row_parsing(tiny_tokenizer, tmp_path):
+    """A prompt file's rows take the shapes `data=jsonl` reads (ShareGPT's "conversations" too); a
+    "response" is left out of the prompt; the data stage's refusals name the line."""
+    from mtp_train.data.template import render_prompt
+    from mtp_train.errors import DataError
+    from mtp_train.evaluation.prompts import load_prompts_jsonl
+
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "q"}, {"prompt": "q", "response": "a"}, {"conversations": [{"from": "human", "value": "q"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_prompts_jsonl(path, tiny_tokenizer) == [render_prompt(tiny_tokenizer, [{"role": "user", "content": "q"}])] * 3
+    for row, message in (([1, 2], 'row without "prompt" or "messages"'),
+                         ({"messages": [{"role": "user", "content": " "}]}, "empty prompt")):
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(DataError, match=f"p.jsonl, line 1: {message}"):
+            load_prompts_jsonl(path, tiny_tokenizer)
 
 
 @pytest.mark.parametrize("over,message", [

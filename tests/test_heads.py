@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mtp_train.config import HeadsConfig
-from mtp_train.heads import build_heads, count_parameters
+from mtp_train.errors import MtpError
+from mtp_train.heads.persist import build_heads, count_parameters
 
 
 def _ids(bb, B=2, T=9, seed=0):
@@ -77,7 +78,7 @@ def test_chained_module_j_reads_token_t_plus_j_and_is_causal(tiny_backbone):
 def test_shared_chained_module_is_one_module_applied_at_every_depth(tiny_backbone, typed_cfg, tmp_path):
     """heads.share: 1/k of the parameters, and the forward equals a slow loop that feeds depth j's
     output and the token j + 1 ahead to the same module."""
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
 
     bb = tiny_backbone
     torch.manual_seed(0)
@@ -187,7 +188,7 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
     from safetensors.torch import save_file
 
     from mtp_train.errors import ConfigError
-    from mtp_train.heads import heads_state_dict, load_heads
+    from mtp_train.heads.persist import heads_state_dict, load_heads
 
     cfg = HeadsConfig(type="chained", k=2, draft_vocab=6)
     heads = build_heads(cfg, tiny_backbone, draft_ids=torch.tensor([3, 7, 8, 40, 100, 258]))
@@ -195,7 +196,8 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     save_file(heads_state_dict(heads), str(tmp_path / "heads.safetensors"))
-    meta = {"heads": dataclasses.asdict(cfg), "backbone": {"hidden_size": 64, "vocab_size": 259}}
+    meta = {"heads": dataclasses.asdict(cfg), "backbone": {"hidden_size": 64, "vocab_size": 259,
+                                                            "fingerprint": tiny_backbone.fingerprint()}}
     (tmp_path / "heads.json").write_text(json.dumps(meta))
     loaded, _ = load_heads(tmp_path, tiny_backbone)
     for n, t in heads.state_dict().items():
@@ -209,8 +211,8 @@ def test_load_heads_round_trip_and_refuses_another_backbone(tiny_backbone, tmp_p
 @pytest.mark.bad_input
 def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, tmp_path, caplog):
     """Another seed and another name (the issue's case) and other weights under the same name are
-    refused naming what differs; the same weights renamed only warn (old heads without a
-    fingerprint: the name decides); allow_foreign_heads loads with a warning."""
+    refused naming what differs; the same weights renamed only warn; a heads.json without a
+    fingerprint is refused as damaged; allow_foreign_heads loads with a warning."""
     import dataclasses
     import json
 
@@ -219,7 +221,7 @@ def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, 
     from mtp_train.backbone import load_backbone
     from mtp_train.config import BackboneConfig, TinyBackboneConfig
     from mtp_train.errors import ConfigError
-    from mtp_train.heads import heads_state_dict, load_heads
+    from mtp_train.heads.persist import heads_state_dict, load_heads
 
     cfg = HeadsConfig(type="chained", k=2)
     save_file(heads_state_dict(build_heads(cfg, tiny_backbone)), str(tmp_path / "heads.safetensors"))
@@ -244,10 +246,10 @@ def test_heads_are_refused_on_another_backbone_of_the_same_shape(tiny_backbone, 
         heads, _ = load_heads(tmp_path, other, allow_foreign=True)
     assert heads.k == 2 and "loading them anyway" in caplog.text
     meta = json.loads((tmp_path / "heads.json").read_text())
-    del meta["backbone"]["fingerprint"]  # heads from before fingerprints: the name decides
+    del meta["backbone"]["fingerprint"]  # a damaged heads.json: refused, not judged by the name
     (tmp_path / "heads.json").write_text(json.dumps(meta))
-    with pytest.raises(ConfigError, match=r"another backbone \(named 'tiny-llama', this one is 'renamed'\)"):
-        load_heads(tmp_path, tiny("renamed", 0))
+    with pytest.raises(MtpError, match=r"heads.json: its 'backbone' record has no weights fingerprint"):
+        load_heads(tmp_path, tiny("tiny-llama", 0))
 
 
 def test_the_fingerprint_does_not_depend_on_the_dtype_or_on_lora_adapters(tiny_backbone, tmp_path):
@@ -281,7 +283,7 @@ def test_the_fingerprint_does_not_depend_on_the_dtype_or_on_lora_adapters(tiny_b
 
 @pytest.mark.parametrize("init", ["copy_last", "random"])
 def test_chained_blocks_start_as_the_backbones_last_layer_or_from_random_init(tiny_backbone, init):
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
 
     torch.manual_seed(0)
     heads = build_heads(HeadsConfig(type="chained", k=2, init=init), tiny_backbone)
@@ -299,7 +301,7 @@ def test_heads_with_non_finite_weights_are_refused_on_load(tiny_backbone, tmp_pa
     from safetensors.torch import save_file
 
     from mtp_train.errors import MtpError
-    from mtp_train.heads import heads_state_dict, load_heads
+    from mtp_train.heads.persist import heads_state_dict, load_heads
 
     cfg = HeadsConfig(type="medusa", k=2)
     state = heads_state_dict(build_heads(cfg, tiny_backbone))
@@ -307,7 +309,7 @@ def test_heads_with_non_finite_weights_are_refused_on_load(tiny_backbone, tmp_pa
     state[name].view(-1)[0] = float("nan")
     save_file(state, str(tmp_path / "heads.safetensors"))
     (tmp_path / "heads.json").write_text(json.dumps({"heads": dataclasses.asdict(cfg), "backbone": {
-        "name": tiny_backbone.name, "hidden_size": 64, "vocab_size": 259}}))
+        "name": tiny_backbone.name, "hidden_size": 64, "vocab_size": 259, "fingerprint": tiny_backbone.fingerprint()}}))
     with pytest.raises(MtpError, match=rf"heads.safetensors: {name} has 1 non-finite values"):
         load_heads(tmp_path, tiny_backbone)
 
@@ -340,12 +342,12 @@ def test_a_damaged_heads_json_is_blamed_not_the_command_line(tiny_backbone, tmp_
     from safetensors.torch import save_file
 
     from mtp_train.errors import MtpError
-    from mtp_train.heads import heads_state_dict, load_heads
+    from mtp_train.heads.persist import heads_state_dict, load_heads
 
     cfg = HeadsConfig(type="medusa", k=2)
     save_file(heads_state_dict(build_heads(cfg, tiny_backbone)), str(tmp_path / "heads.safetensors"))
     meta = {"heads": dataclasses.asdict(cfg), "backbone": {"name": tiny_backbone.name, "hidden_size": 64,
-                                                            "vocab_size": 259}}
+                                                            "vocab_size": 259, "fingerprint": tiny_backbone.fingerprint()}}
     edit(meta)
     (tmp_path / "heads.json").write_text(json.dumps(meta))
     with pytest.raises(MtpError, match=message):

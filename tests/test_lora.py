@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from mtp_train.adapters import adapters_disabled, lora_layers
 from mtp_train.config import BackboneConfig, LoraConfig
 from mtp_train.errors import MtpError
+from mtp_train.evaluation.decode import decode
 from tests.helpers import run_train, train_killed_at
 from tests.test_train import FAST
 
@@ -83,6 +84,7 @@ def test_the_distillation_term_is_zero_with_zero_adapters_and_not_otherwise():
         assert torch.equal(bb.logits(bb.hidden_states(ids, attn)), logits)
 
 
+@pytest.mark.integration
 def test_lora_training_moves_the_adapters_not_the_base_weights_and_saves_heads_and_adapters(
         typed_cfg, tmp_path, monkeypatch):
     import mtp_train.backbone as backbone_mod
@@ -124,13 +126,14 @@ def test_lora_training_moves_the_adapters_not_the_base_weights_and_saves_heads_a
     assert torch.equal(adapter[name], after["model.layers.1.self_attn.o_proj.lora_B.default.weight"])
 
 
+@pytest.mark.integration
 def test_peft_loads_the_saved_adapter_as_the_trained_backbone(typed_cfg, tmp_path):
     """The adapter directory is PEFT's own format: PeftModel.from_pretrained on the original backbone
     computes what the adapted backbone computes."""
     from peft import PeftModel
 
     from mtp_train.backbone import build_tiny, load_backbone
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
 
     cfg = typed_cfg(*FAST, *LORA, "heads=medusa", "heads.k=2", "train.lr=1e-2")
     run_train(cfg)
@@ -148,6 +151,7 @@ def test_peft_loads_the_saved_adapter_as_the_trained_backbone(typed_cfg, tmp_pat
     assert (ours - original).abs().max() > 1e-4  # the adapters trained away from zero
 
 
+@pytest.mark.integration
 def test_resume_with_lora_is_exact(typed_cfg, tmp_path, monkeypatch):
 
     common = [*FAST, *LORA, "heads=chained", "heads.k=2", "loss=kl", "trainer.max_steps=6",
@@ -169,7 +173,7 @@ def test_resume_with_lora_is_exact(typed_cfg, tmp_path, monkeypatch):
 def test_decoding_with_adapters_equals_a_greedy_loop_of_the_adapted_model(heads_type):
     from mtp_train.config import HeadsConfig
     from mtp_train.decoding import Decoder
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
 
     bb = lora_backbone(seed=2, scale=0.3)
     torch.manual_seed(0)
@@ -187,16 +191,17 @@ def test_decoding_with_adapters_equals_a_greedy_loop_of_the_adapted_model(heads_
     want = greedy_loop(24)
     dec = Decoder(bb, heads, eos_ids=[-1])
     for mode in ("greedy", "verify"):
-        assert dec.generate(prompt, 24, mode).tokens == want, mode
+        assert decode(dec, prompt, 24, mode).tokens == want, mode
     with adapters_disabled(bb.model):
         original = greedy_loop(24)
     assert original != want  # the adapters change what the backbone says: the check has teeth
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_heads_whose_adapters_are_missing_or_changed_are_refused(typed_cfg, tmp_path):
     from mtp_train.backbone import load_backbone
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
 
     run_train(typed_cfg(*FAST, *LORA, "heads=medusa", "heads.k=2", "train.lr=1e-2"))
     run = tmp_path / "out"
@@ -211,6 +216,7 @@ def test_heads_whose_adapters_are_missing_or_changed_are_refused(typed_cfg, tmp_
         load_heads(run, fresh())
 
 
+@pytest.mark.integration
 def test_with_lora_the_backbone_runs_live_and_says_so_when_the_cache_was_asked(typed_cfg, caplog, monkeypatch):
     import logging
 
@@ -227,7 +233,8 @@ def test_with_lora_the_backbone_runs_live_and_says_so_when_the_cache_was_asked(t
 def test_backbone_drift_against_greedy_loops_of_the_adapted_and_the_original_model():
     from mtp_train.backbone import build_tiny
     from mtp_train.config import TinyBackboneConfig
-    from mtp_train.evaluate import backbone_drift, backbone_nll
+    from mtp_train.evaluation.metrics import backbone_nll
+    from mtp_train.evaluation.runner import backbone_drift
 
     bb = lora_backbone(seed=4, scale=0.3)
     plain, _ = build_tiny(TinyBackboneConfig())  # the original weights, built anew: no adapter anywhere
@@ -265,8 +272,8 @@ def test_backbone_drift_against_greedy_loops_of_the_adapted_and_the_original_mod
 def lora_run(tmp_path_factory):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.config import validate
-    from mtp_train.entry import CONF_DIR
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
 
     root = tmp_path_factory.mktemp("lora")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -277,17 +284,18 @@ def lora_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.integration
 def test_eval_of_lora_heads_verifies_against_the_adapted_backbone_and_reports_its_drift(lora_run):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.config import validate
-    from mtp_train.entry import CONF_DIR
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
     from tests.helpers import run_eval
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = validate(compose("config", overrides=[
             f"paths.root_dir={lora_run}", f"paths.output_dir={lora_run}/eval", *FAST, "heads=medusa",
-            "eval.n_prompts=3", "eval.max_new_tokens=12", "eval.rounds=1", f"eval.heads={lora_run}/train",
+            "eval.n_prompts=3", "eval.max_new_tokens=12", "eval.rounds=1", f"eval.train_run={lora_run}/train",
             "eval.modes=[greedy,verify]"]))
     report = run_eval(cfg)
     adapted = report["backbone_adapted"]
@@ -299,6 +307,7 @@ def test_eval_of_lora_heads_verifies_against_the_adapted_backbone_and_reports_it
     assert saved["backbone_adapted"]["drift"] == d
 
 
+@pytest.mark.integration
 def test_exports_carry_the_adapters(lora_run, tmp_path):
     """native from the checkpoint: the same PEFT adapter; medusa for vLLM: the adapted backbone,
     merged, named as the one to serve with, computing what the adapted backbone computes."""
@@ -307,7 +316,7 @@ def test_exports_carry_the_adapters(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from mtp_train.backbone import load_backbone
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
     from mtp_train.pipeline.export import export_heads
     from mtp_train.pipeline.serving import export_for_engine
 
@@ -321,8 +330,8 @@ def test_exports_carry_the_adapters(lora_run, tmp_path):
 
     out = export_for_engine(run, "medusa", tmp_path / "served")
     serving = json.loads((out / "mtp_serving.json").read_text())
-    assert serving["backbone"] == str((out / "target").resolve()) and serving["lora_adapter"]
-    target = AutoModelForCausalLM.from_pretrained(out / "target").eval()
+    assert serving["backbone"] == str((out / "merged_backbone").resolve()) and serving["lora_adapter"]
+    target = AutoModelForCausalLM.from_pretrained(out / "merged_backbone").eval()
     assert not any("lora" in n for n in target.state_dict())
     bb = load_backbone(BackboneConfig(name="tiny-llama", source="tiny"))
     load_heads(run, bb)
@@ -334,18 +343,19 @@ def test_exports_carry_the_adapters(lora_run, tmp_path):
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_clp_labels_from_the_original_backbones_cache_are_refused_for_lora_heads(lora_run):
     from hydra import compose, initialize_config_dir
 
-    from mtp_train.config import validate
-    from mtp_train.entry import CONF_DIR
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
     from mtp_train.errors import ConfigError
     from mtp_train.pipeline.clp_run import run_clp
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = validate(compose("config", overrides=[
             f"paths.root_dir={lora_run}", f"paths.output_dir={lora_run}/clp", *FAST, "heads=medusa",
-            f"clp.heads={lora_run}/train", "clp.label_source=cache"]))
+            f"clp.train_run={lora_run}/train", "clp.label_source=cache"]))
     with pytest.raises(ConfigError, match="trained with LoRA adapters and draft for the adapted one"):
         run_clp(cfg)
 
@@ -355,7 +365,7 @@ def test_every_adapter_gets_a_gradient_and_its_own_learning_rate_even_without_th
     distillation term alone; with distill_weight=0 they must still be in the graph (DDP with
     find_unused_parameters=false stops otherwise), with a zero gradient."""
     from mtp_train.config import HeadsConfig, LossConfig, TrainConfig
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
     from mtp_train.lit.module import MTPHeadsModule
 
     bb = lora_backbone(scale=0.1)
@@ -393,7 +403,7 @@ def test_lora_dropout_follows_train_and_eval_and_adapters_stay_off_embeddings():
 
 def test_chained_heads_copy_the_original_last_layer_of_a_lora_backbone():
     from mtp_train.config import HeadsConfig
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
 
     bb = lora_backbone()
     heads = build_heads(HeadsConfig(type="chained", k=2, init="copy_last"), bb)

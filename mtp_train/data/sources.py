@@ -50,6 +50,16 @@ class SourceStats:
 
 # --- normalisation shared by all sources -----------------------------------------------------------
 
+def message_fields(m) -> tuple[str | None, str | None]:
+    """A message's role, mapped by ROLE_MAP ("role", or ShareGPT's "from"), and its text ("content",
+    or ShareGPT's "value"); each None when missing, unknown or not text."""
+    if not isinstance(m, dict):
+        return None, None
+    role = ROLE_MAP.get(str(m.get("role", m.get("from", ""))).lower())
+    content = m.get("content", m.get("value"))
+    return role, content if isinstance(content, str) else None
+
+
 def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool) -> list | None:
     """Map roles, drop leading assistant turns, cut at the first empty turn.
 
@@ -61,9 +71,8 @@ def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool
         if not isinstance(m, dict):
             stats.drop("malformed message")
             return None
-        role = ROLE_MAP.get(str(m.get("role", m.get("from", ""))).lower())
-        content = m.get("content", m.get("value"))
-        if role is None or not isinstance(content, str):
+        role, content = message_fields(m)
+        if role is None or content is None:
             stats.drop("unknown role or non-text content")
             return None
         messages.append({"role": role, "content": content})
@@ -184,8 +193,9 @@ def read_sharegpt(path: Path | None, stats: SourceStats, keep_prompt_only: bool)
 
 # --- JSONL: {"prompt": ..., "response"?: ...} or {"messages": [...]} ------------------------------
 
-def row_to_messages(row) -> tuple[list | None, str | None]:
-    """(the message list of one user row, None) or (None, why the row is dropped)."""
+def row_to_messages(row, answer: bool = True) -> tuple[list | None, str | None]:
+    """(the message list of one user row, None) or (None, why the row is dropped). A "prompt" row's
+    "response" (or "completion") is its assistant turn; `answer=False` leaves it out (prompt files)."""
     if not isinstance(row, dict):
         return None, 'row without "prompt" or "messages"'
     for key in ("messages", "conversations"):
@@ -193,11 +203,13 @@ def row_to_messages(row) -> tuple[list | None, str | None]:
             return row[key], None
     if isinstance(row.get("prompt"), str):
         msgs = [{"role": "user", "content": row["prompt"]}]
-        answer = row.get("response", row.get("completion"))
-        if answer is not None and not isinstance(answer, str):  # dropped, not kept prompt-only
+        if not answer:
+            return msgs, None
+        text = row.get("response", row.get("completion"))
+        if text is not None and not isinstance(text, str):  # dropped, not kept prompt-only
             return None, '"response"/"completion" is not text'
-        if answer is not None:
-            msgs.append({"role": "assistant", "content": answer})
+        if text is not None:
+            msgs.append({"role": "assistant", "content": text})
         return msgs, None
     return None, 'row without "prompt" or "messages"'
 

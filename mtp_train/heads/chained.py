@@ -17,8 +17,8 @@ alone). The block starts from the architecture's random init (`heads.init=random
 attention and MLP add little at first, so module 1 starts near "the backbone's own next-token
 distribution" and learns from there. `heads.init=copy_last` copies the backbone's last layer and final
 norm instead; that layer expects the un-normalised residual stream, not the final (normed) state it
-gets here, and on SmolLM2 it started far worse and stayed behind: val sim_tau 1.14 vs 1.32 after 80
-steps of the demo recipe (docs/results.md, "How the demo's recipe was chosen").
+gets here, and it starts far worse and stays behind (docs/results.md, "How the demo's recipe was
+chosen").
 
 `heads.share=true` applies module 1's weights at every depth (EAGLE's one draft layer): h^j plays
 the part of the backbone's state one position on, so one module learns from all k depths' targets
@@ -32,7 +32,7 @@ import copy
 import torch
 from torch import nn
 
-from mtp_train.heads.vocab import DraftVocab
+from mtp_train.heads.base import DraftHeads
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +65,7 @@ def one_layer_model(backbone_config, init_from: nn.Module | None = None) -> nn.M
     return model
 
 
-class ChainedMTP(DraftVocab):
+class ChainedMTP(DraftHeads):
     def __init__(self, backbone_config, k: int, init_from: nn.Module | None = None,
                  draft_ids: torch.Tensor | None = None, share: bool = False):
         super().__init__()
@@ -82,7 +82,11 @@ class ChainedMTP(DraftVocab):
                 p.weight.zero_()
                 p.weight[:, d:].copy_(torch.eye(d))  # [0 | I]: start from the hidden state
         self.blocks = nn.ModuleList(one_layer_model(backbone_config, init_from) for _ in range(n))
-        self.lm_heads = None
+
+    @classmethod
+    def from_config(cls, cfg, backbone, draft_ids=None) -> ChainedMTP:
+        init_from = backbone.model.base_model if cfg.init == "copy_last" else None
+        return cls(backbone.config, cfg.k, init_from=init_from, draft_ids=draft_ids, share=cfg.share)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
                 attention_mask: torch.Tensor | None = None, aux=None) -> torch.Tensor:
@@ -113,5 +117,3 @@ class ChainedMTP(DraftVocab):
                                  use_cache=cache is not None, position_ids=position_ids)
         return out.last_hidden_state
 
-    def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return head_hidden @ self.draft_weight(lm_head).T  # (B, T, k, |D|), shared head

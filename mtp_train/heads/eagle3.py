@@ -33,7 +33,8 @@ import math
 import torch
 from torch import nn
 
-from mtp_train.heads.vocab import DraftVocab
+from mtp_train.errors import ConfigError
+from mtp_train.heads.base import DraftHeads
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -129,7 +130,7 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-class Eagle3Heads(DraftVocab):
+class Eagle3Heads(DraftHeads):
     def __init__(self, backbone_config, k: int, aux_layers: list[int], lm_head_weight: torch.Tensor | None = None,
                  draft_ids: torch.Tensor | None = None, norm_before_residual: bool = False):
         """`lm_head_weight` (V, d): given = a trainable LM head starting as its draft-vocabulary rows;
@@ -153,14 +154,31 @@ class Eagle3Heads(DraftVocab):
             with torch.no_grad():
                 self.lm_head.weight.copy_(rows)
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
-        self.lm_heads = None  # the other families' per-depth heads; this one has its own `lm_head`
+
+    @classmethod
+    def from_config(cls, cfg, backbone, draft_ids=None) -> Eagle3Heads:
+        copy = backbone.lm_head.weight.detach() if cfg.lm_head == "copy" else None
+        aux = cls.aux_layers_for(cfg, backbone.config)
+        try:  # layers past the backbone's depth are the config's fault
+            check_aux_layers(aux, backbone.config.num_hidden_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return cls(backbone.config, cfg.k, aux, copy, draft_ids=draft_ids,
+                   norm_before_residual=cfg.norm_before_residual)
+
+    @classmethod
+    def aux_layers_for(cls, cfg, backbone_config) -> list[int]:
+        if cfg.aux_layers is not None:
+            return list(cfg.aux_layers)
+        return default_aux_layers(backbone_config.num_hidden_layers)
 
     @property
     def layer(self) -> Eagle3Layer:
         return self.layers[0]
 
-    def head_weight(self, lm_head: nn.Module) -> torch.Tensor:
-        """The LM head over the draft vocabulary, (|D|, d): trainable, or the backbone's rows."""
+    def lm_weight(self, lm_head: nn.Module, depth: int | None = None) -> torch.Tensor:
+        """The LM head over the draft vocabulary, (|D|, d), one for every depth: trainable, or the
+        backbone's rows."""
         return self.lm_head.weight if self.lm_head is not None else self.draft_weight(lm_head)
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor):
@@ -230,7 +248,7 @@ class Eagle3Heads(DraftVocab):
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """(..., d) outputs before the final norm -> logits (..., |D|) after the final norm."""
         x = self.norm(head_hidden)
-        return x @ self.head_weight(lm_head).to(x.dtype).T
+        return x @ self.lm_weight(lm_head).to(x.dtype).T
 
     # --- the engines' vocabulary maps -------------------------------------------------------------
 

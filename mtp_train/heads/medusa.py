@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtp_train.heads.vocab import DraftVocab
+from mtp_train.heads.base import DraftHeads
 
 
 class ResBlock(nn.Module):
@@ -28,7 +28,7 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class MedusaHeads(DraftVocab):
+class MedusaHeads(DraftHeads):
     def __init__(self, hidden_size: int, vocab_size: int, k: int, num_layers: int = 1,
                  lm_head_weight: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None):
         """`lm_head_weight` (V, d): given = each depth gets a trainable copy (of the draft vocabulary's
@@ -46,6 +46,19 @@ class MedusaHeads(DraftVocab):
             with torch.no_grad():
                 for head in self.lm_heads:
                     head.weight.copy_(rows)
+        self.per_depth_lm = self.lm_heads is not None
+
+    @classmethod
+    def from_config(cls, cfg, backbone, draft_ids=None) -> MedusaHeads:
+        copy = backbone.lm_head.weight.detach() if cfg.lm_head == "copy" else None
+        return cls(backbone.hidden_size, backbone.vocab_size, cfg.k, cfg.num_layers, copy, draft_ids=draft_ids)
+
+    def lm_weight(self, lm_head: nn.Module, depth: int | None = None) -> torch.Tensor:
+        if self.lm_heads is None:
+            return self.draft_weight(lm_head)
+        if depth is None:
+            raise ValueError("these Medusa heads have one LM head per depth; name the depth")
+        return self.lm_heads[depth - 1].weight
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                 embed: nn.Module | None = None, attention_mask: torch.Tensor | None = None, aux=None):
@@ -55,5 +68,5 @@ class MedusaHeads(DraftVocab):
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """(B, T, k, d) -> logits (B, T, k, |D|) with the shared head or the per-depth copies."""
         if self.lm_heads is None:
-            return head_hidden @ self.draft_weight(lm_head).T
+            return super().project(head_hidden, lm_head)
         return torch.stack([h(head_hidden[..., j, :]) for j, h in enumerate(self.lm_heads)], dim=-2)

@@ -25,10 +25,10 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from mtp_train.config import LoraConfig, LossConfig, TrainConfig
+from mtp_train.depth_targets import depth_targets
 from mtp_train.errors import MtpError
 from mtp_train.losses import LossOutput, acceptance, backbone_distill_loss, compute_loss, topk_loss
 from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
-from mtp_train.targets import depth_targets
 from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
 from mtp_train.trees import (
     ENTROPY_EDGES,
@@ -95,7 +95,7 @@ class MTPHeadsModule(L.LightningModule):
     def model_step(self, batch: dict, split: str) -> torch.Tensor:
         ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
         heads, lm_head = self.heads, self.backbone.lm_head
-        aux_layers = getattr(heads, "aux_layers", None)  # EAGLE-3 reads these layers' inputs too
+        aux_layers = list(heads.aux_layers)  # backbone layers the heads read besides the final state
         distill = None
         if "hidden" in batch:  # from the hidden-state cache: no backbone layer and no V-sized logits
             hidden, aux, full, stats = self._cached_states(batch, aux_layers)

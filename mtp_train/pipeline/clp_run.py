@@ -18,12 +18,12 @@ STAGES = ("label", "fit", "calibrate", "all")
 def _setup(cfg: Config):
     from mtp_train.backbone import eos_ids, load_backbone
     from mtp_train.decoding import Decoder
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
 
-    if not cfg.clp.heads:
-        raise ConfigError("clp.heads: set it to an mtp-train run directory (heads.safetensors + heads.json)")
+    if not cfg.clp.train_run:
+        raise ConfigError("clp.train_run: set it to an mtp-train run directory (heads.safetensors + heads.json)")
     backbone = load_backbone(cfg.backbone)
-    heads, meta = load_heads(cfg.clp.heads, backbone, cfg.backbone.allow_foreign_heads)
+    heads, meta = load_heads(cfg.clp.train_run, backbone, cfg.backbone.allow_foreign_heads)
     if backbone.adapter:  # heads trained with LoRA adapters: label and calibrate on the adapted model
         from mtp_train.adapters import merge_adapters
 
@@ -37,9 +37,8 @@ def distilled_cache(cfg: Config, backbone, split: str = "train", aux_layers: lis
     (EAGLE-3), whose cache is another one."""
     from datasets import load_from_disk
 
+    from mtp_train.data.prepared import load_splits, open_cache
     from mtp_train.layout import data_dirs, distilled_dir
-    from mtp_train.lit.data import load_splits
-    from mtp_train.pipeline.prepared import open_cache
 
     dirs = data_dirs(cfg)
     if distilled_dir(cfg) not in dirs:
@@ -54,23 +53,23 @@ def distilled_cache(cfg: Config, backbone, split: str = "train", aux_layers: lis
 def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256
     from mtp_train.data.acceptance import labels_from_cache, make_labels
-    from mtp_train.evaluate import held_out_prompts
+    from mtp_train.evaluation.prompts import held_out_prompts
     from mtp_train.layout import labelled_dir
 
     source = cfg.clp.label_source
     split = cfg.clp.label_split
     if backbone.adapter and source == "cache":
         raise ConfigError(f"clp.label_source: 'cache' holds the original backbone's states, but the heads of "
-                          f"{cfg.clp.heads} were trained with LoRA adapters and draft for the adapted one; "
+                          f"{cfg.clp.train_run} were trained with LoRA adapters and draft for the adapted one; "
                           "use clp.label_source=decode (or auto)")
-    found = (distilled_cache(cfg, backbone, split, getattr(heads, "aux_layers", None))
+    found = (distilled_cache(cfg, backbone, split, list(heads.aux_layers))
              if source in ("auto", "cache") else None)
     if source == "cache" and found is None:
         raise ConfigError("clp.label_source: 'cache' needs the hidden-state cache of self-distilled "
                           "data (train.data_use=distilled or mix, then `mtp-prep stage=cache`); or "
                           "set clp.label_source=decode")
     identity = {"backbone": backbone.name, "backbone_identity": backbone.identity,
-                "heads_sha256": file_sha256(Path(cfg.clp.heads) / layout.HEADS_FILE), "k": heads.k}
+                "heads_sha256": file_sha256(Path(cfg.clp.train_run) / layout.HEADS_FILE), "k": heads.k}
     if found is not None:
         rows, cache, first = found
         if len(rows) - first < 2:
@@ -83,8 +82,10 @@ def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     prompts = [p for p in held_out_prompts(labelled_dir(cfg), "train")
                if len(p) + cfg.clp.max_new_tokens <= getattr(backbone.config, "max_position_embeddings", 10**9)]
     prompts = prompts[: cfg.clp.n_prompts]
+    from mtp_train.decoding.plans import Chain
+
     return make_labels(prompts, decoder, out / layout.LABELS, cfg.clp.max_new_tokens, cfg.clp.shard_prompts,
-                       identity)
+                       identity, Chain())
 
 
 def held_out_by_fit(prompt, val_fraction: float):
@@ -100,7 +101,7 @@ def calibration_prompts(cfg: Config, backbone, labels_manifest: dict,
     Labels made from the cache's self-distilled validation rows: the prompts of the rows the fit held
     out. Otherwise (labels from the training split, by decoding or from the cache): the prepared
     validation prompts."""
-    from mtp_train.evaluate import held_out_prompts, row_prompt
+    from mtp_train.evaluation.prompts import held_out_prompts, row_prompt
     from mtp_train.layout import labelled_dir
 
     n = cfg.clp.calib_prompts
@@ -152,18 +153,18 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
         undo_class_weights,
     )
     from mtp_train.data.acceptance import read_labels
-    from mtp_train.heads import count_parameters
-    from mtp_train.layout import CLP_FILE, CLP_META
+    from mtp_train.heads.persist import count_parameters
+    from mtp_train.layout import PREDICTOR_FILE, PREDICTOR_META
     from mtp_train.lit.predictor import SpanFitModule
 
     labels_dir = out / layout.LABELS
     manifest = read_manifest(labels_dir)
     if manifest is None:
         raise MtpError(f"{labels_dir}: no acceptance labels; run `mtp-clp stage=label` first")
-    heads_hash = file_sha256(Path(cfg.clp.heads) / layout.HEADS_FILE)
+    heads_hash = file_sha256(Path(cfg.clp.train_run) / layout.HEADS_FILE)
     if manifest.get("heads_sha256") != heads_hash or manifest.get("k") != heads.k:
         raise ConfigError(f"{labels_dir}: labels were made with another heads checkpoint; rerun "
-                          "`mtp-clp stage=label` for clp.heads")
+                          "`mtp-clp stage=label` for clp.train_run")
     hidden, probs, labels, prompt = read_labels(labels_dir, heads.k, backbone.hidden_size)
     n_prompts = int(prompt.max()) + 1
     is_val = held_out_by_fit(prompt, cfg.clp.val_fraction)
@@ -173,8 +174,8 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     results = {}
     for kind in cfg.clp.kinds:
         key = fit_key(cfg, kind, manifest)
-        old = read_json(out / kind / CLP_META)
-        if not cfg.force and old is not None and old.get("fit_hash") == key and (out / kind / CLP_FILE).is_file():
+        old = read_json(out / kind / PREDICTOR_META)
+        if not cfg.force and old is not None and old.get("fit_hash") == key and (out / kind / PREDICTOR_FILE).is_file():
             log.info("%s: fitted on these labels with these settings already; skipping", kind)
             results[kind] = {**old["fit"], "skipped": True}
             continue
@@ -208,22 +209,23 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
 
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256, read_manifest, write_json_atomic
-    from mtp_train.clp import load_predictor, measure_decode, pick_threshold, sweep_thresholds
-    from mtp_train.layout import CLP_META
+    from mtp_train.clp import load_predictor
+    from mtp_train.evaluation.calibration import measure_decode, pick_threshold, sweep_thresholds
+    from mtp_train.layout import PREDICTOR_META
 
     e = cfg.eval
     prompts = calibration_prompts(cfg, backbone, read_manifest(out / layout.LABELS) or {},
-                                  getattr(heads, "aux_layers", None))
+                                  list(heads.aux_layers))
     if not prompts:
         raise MtpError(f"{out / layout.LABELS}: no prompt to calibrate on (none of the labelled rows was held "
                        "out of the fit); raise clp.val_fraction or distil more validation prompts")
     results, todo = {}, []
-    heads_hash = file_sha256(Path(cfg.clp.heads) / layout.HEADS_FILE)
+    heads_hash = file_sha256(Path(cfg.clp.train_run) / layout.HEADS_FILE)
     for kind in cfg.clp.kinds:
         pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
         if meta.get("heads_sha256") != heads_hash:
-            raise ConfigError(f"{out / kind}: fitted on the labels of other heads than clp.heads="
-                              f"{cfg.clp.heads}; rerun `mtp-clp stage=all` (label and fit) for these heads")
+            raise ConfigError(f"{out / kind}: fitted on the labels of other heads than clp.train_run="
+                              f"{cfg.clp.train_run}; rerun `mtp-clp stage=all` (label and fit) for these heads")
         key = calibration_key(cfg, meta, prompts)
         if not cfg.force and meta.get("calibration_hash") == key:
             log.info("%s: calibrated for this predictor and these settings already (threshold %.2f); skipping",
@@ -242,12 +244,11 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
             log.warning("%s: no threshold in %s keeps repetition within greedy + %.2f and NLL within greedy "
                         "+ %.2f nats; keeping threshold = 1.0 (accept no draft)", kind, list(cfg.clp.thresholds),
                         cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
-        meta.pop("tau", None)  # the key's name before the rename
         meta.update(threshold=best["threshold"] if best else 1.0, calibrated=best is not None, calibration_hash=key,
                     bounds={"max_repetition_increase": cfg.clp.max_repetition_increase,
                             "max_nll_increase": cfg.clp.max_nll_increase},
                     calibration={"greedy": greedy, "thresholds": rows, "n_prompts": len(prompts)})
-        write_json_atomic(out / kind / CLP_META, meta)
+        write_json_atomic(out / kind / PREDICTOR_META, meta)
         results[kind] = {"threshold": meta["threshold"], "skipped": False}
         log.info("%s: threshold = %.2f%s", kind, meta["threshold"], "" if best else " (no threshold met the bounds)")
     return results

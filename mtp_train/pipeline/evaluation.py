@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
     """The prompts to decode and how many were skipped as too long for eval.max_prompt_tokens or
     the backbone's context (prompt + max_new_tokens)."""
-    from mtp_train.evaluate import held_out_prompts, load_prompts_jsonl
+    from mtp_train.evaluation.prompts import held_out_prompts, load_prompts_jsonl
     from mtp_train.layout import labelled_dir
 
     e = cfg.eval
@@ -64,10 +64,10 @@ def unseen_prompts(cfg: Config, tokenizer):
     """eval.prompt_source=unseen: the conversations of the configured data source (read as the data
     stage reads them) whose id is in neither split of the prepared labelled dataset, shuffled by
     cfg.seed, each rendered up to its first assistant turn; a lazy iterator, the caller stops early."""
+    from mtp_train.data.prepared import check_labelled_is_current
     from mtp_train.data.sources import SourceStats, read_conversations
-    from mtp_train.evaluate import dataset_ids, render_prompts, unseen_conversations
+    from mtp_train.evaluation.prompts import dataset_ids, render_prompts, unseen_conversations
     from mtp_train.layout import labelled_dir
-    from mtp_train.pipeline.prepared import check_labelled_is_current
 
     check_labelled_is_current(cfg, tokenizer)  # the ids must come from this source's dataset
     seen = dataset_ids(labelled_dir(cfg))
@@ -83,32 +83,35 @@ def unseen_prompts(cfg: Config, tokenizer):
 
 
 def predictor_threshold(meta: dict, path) -> float:
-    """A predictor's calibrated threshold (`clp.saved_threshold`), refused when its clp.json has none."""
+    """A predictor's calibrated threshold (`clp.saved_threshold`), refused when its predictor.json has none."""
     from mtp_train.clp import saved_threshold
 
     value = saved_threshold(meta)
     if value is None:
-        raise MtpError(f"{path}: clp.json holds no threshold; rerun `mtp-clp stage=calibrate`")
+        raise MtpError(f"{path}: predictor.json holds no threshold; rerun `mtp-clp stage=calibrate`")
     return value
 
 
 def load_span_policies(cfg: Config, backbone, heads) -> dict:
-    """mode -> SpanPolicy for clp, clp+verify (eval.clp) and gate (eval.gate), at their calibrated threshold."""
+    """mode -> SpanPolicy for the modes that need a span predictor (from eval.clp_run, the mtp-clp
+    run), at its calibrated threshold."""
     from mtp_train.artifacts import file_sha256
     from mtp_train.clp import SpanPolicy, load_predictor
-    from mtp_train.heads import count_parameters
+    from mtp_train.evaluation.modes import MODES
+    from mtp_train.heads.persist import count_parameters
     from mtp_train.layout import HEADS_FILE
 
     out, heads_hash = {}, None
-    for mode, path in (("clp", cfg.eval.clp), ("clp+verify", cfg.eval.clp), ("gate", cfg.eval.gate)):
-        if mode not in cfg.eval.modes:
+    for mode in cfg.eval.modes:
+        kind = MODES[mode].predictor  # the predictor kind the mode needs, in the mtp-clp run's <kind>/
+        if kind is None:
             continue
+        path = layout.predictor_dir(cfg.eval.clp_run, kind)
         pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
-        key = "eval.gate" if mode == "gate" else "eval.clp"
-        heads_hash = heads_hash or file_sha256(Path(cfg.eval.heads) / HEADS_FILE)
+        heads_hash = heads_hash or file_sha256(Path(cfg.eval.train_run) / HEADS_FILE)
         if meta.get("heads_sha256") not in (None, heads_hash):
-            raise ConfigError(f"{key}: {path} was fitted on the acceptance of other heads than eval.heads="
-                              f"{cfg.eval.heads}; fit one for these heads (`mtp-clp clp.heads={cfg.eval.heads}`)")
+            raise ConfigError(f"eval.clp_run: {path} was fitted on the acceptance of other heads than eval.train_run="
+                              f"{cfg.eval.train_run}; fit one for these heads (`mtp-clp clp.train_run={cfg.eval.train_run}`)")
         threshold = predictor_threshold(meta, path)
         if cfg.eval.span_threshold is not None:
             calibrated_at, threshold = threshold, cfg.eval.span_threshold
@@ -130,7 +133,7 @@ def adapted_backbone(backbone, prompts: list[list[int]], cfg: Config) -> dict | 
     None when the backbone carries no adapters."""
     from mtp_train.adapters import has_adapters, merge_adapters
     from mtp_train.backbone import eos_ids
-    from mtp_train.evaluate import backbone_drift
+    from mtp_train.evaluation.runner import backbone_drift
 
     if not backbone.adapter or not has_adapters(backbone.model):  # none, or backbone.lora's untrained zeros
         return None
@@ -147,13 +150,15 @@ def adapted_backbone(backbone, prompts: list[list[int]], cfg: Config) -> dict | 
 def load_tree_stats(cfg: Config):
     """The heads' rank statistics (tree_stats.json, written by mtp-train), which static trees and the
     adaptive policies grow from; required by mode tree."""
+    from mtp_train.evaluation.modes import MODES
     from mtp_train.layout import TREE_STATS
     from mtp_train.trees import RankStats
 
-    stats = RankStats.load(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None
-    if stats is None and "tree" in cfg.eval.modes:
-        raise ConfigError(f"eval.modes: mode tree grows its tree from {Path(cfg.eval.heads) / TREE_STATS}, "
-                          "which these heads lack (trained before token trees); run the same mtp-train "
+    stats = RankStats.load(Path(cfg.eval.train_run) / TREE_STATS) if cfg.eval.train_run else None
+    needing = [m for m in cfg.eval.modes if MODES[m].tree_stats]
+    if stats is None and needing:
+        raise ConfigError(f"eval.modes: mode {needing[0]} grows its tree from {Path(cfg.eval.train_run) / TREE_STATS}, "
+                          "which these heads lack; run the same mtp-train "
                           "command on that run directory once to record it (validation only)")
     return stats
 
@@ -164,16 +169,25 @@ def eval_key(cfg: Config) -> str:
     from mtp_train.adapters import WEIGHTS_FILE
     from mtp_train.artifacts import config_hash, file_sha256, read_manifest
     from mtp_train.backbone import backbone_identity
-    from mtp_train.evaluate import cpu_model
-    from mtp_train.layout import CLP_FILE, CLP_META, HEADS_FILE, TREE_STATS, labelled_dir
+    from mtp_train.choices import PREDICTOR_KINDS
+    from mtp_train.evaluation.machine import cpu_model
+    from mtp_train.layout import (
+        HEADS_FILE,
+        PREDICTOR_FILE,
+        PREDICTOR_META,
+        TREE_STATS,
+        labelled_dir,
+    )
 
     def sha(path) -> str | None:
         return file_sha256(path) if path and Path(path).is_file() else None
 
     e = OmegaConf.to_container(OmegaConf.structured(cfg.eval))
-    adapter = sha(Path(cfg.eval.heads) / layout.ADAPTER_DIR / WEIGHTS_FILE) if cfg.eval.heads else None
-    predictors = {name: [sha(Path(d) / CLP_FILE), sha(Path(d) / CLP_META)] if d else None
-                  for name, d in (("clp", cfg.eval.clp), ("gate", cfg.eval.gate))}
+    adapter = sha(Path(cfg.eval.train_run) / layout.ADAPTER_DIR / WEIGHTS_FILE) if cfg.eval.train_run else None
+    run = cfg.eval.clp_run
+    predictors = None if not run else {
+        kind: [sha(layout.predictor_dir(run, kind) / f) for f in (PREDICTOR_FILE, PREDICTOR_META)]
+        for kind in PREDICTOR_KINDS}
     prompts = sha(cfg.eval.prompts) if cfg.eval.prompts else \
         (read_manifest(labelled_dir(cfg)) or {}).get("config_hash")
     if not cfg.eval.prompts and cfg.eval.prompt_source == "unseen":
@@ -185,8 +199,8 @@ def eval_key(cfg: Config) -> str:
     return config_hash({
         "eval": e, "backbone": backbone_identity(cfg.backbone),
         "prompt_source": "file" if cfg.eval.prompts else cfg.eval.prompt_source, "prompts": prompts,
-        "heads": sha(Path(cfg.eval.heads) / HEADS_FILE) if cfg.eval.heads else None,
-        "tree_stats": sha(Path(cfg.eval.heads) / TREE_STATS) if cfg.eval.heads else None,
+        "heads": sha(Path(cfg.eval.train_run) / HEADS_FILE) if cfg.eval.train_run else None,
+        "tree_stats": sha(Path(cfg.eval.train_run) / TREE_STATS) if cfg.eval.train_run else None,
         **({"adapter": adapter} if adapter else {}),  # heads trained with LoRA adapters
         "machine": cpu_model(),
         "predictors": predictors})
@@ -214,16 +228,10 @@ def _run_eval(cfg: Config) -> dict:
 
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.backbone import load_backbone
-    from mtp_train.evaluate import (
-        hf_dtype_probe,
-        machine,
-        print_table,
-        resolve_dtype,
-        run_modes,
-        save_report,
-        write_plots,
-    )
-    from mtp_train.heads import load_heads
+    from mtp_train.evaluation.machine import hf_dtype_probe, machine, resolve_dtype
+    from mtp_train.evaluation.render import print_table, save_report, write_plots
+    from mtp_train.evaluation.runner import run_modes
+    from mtp_train.heads.persist import load_heads
 
     t0 = time.time()
     cfg.eval.check_inputs()
@@ -236,7 +244,7 @@ def _run_eval(cfg: Config) -> dict:
         print_table(done)
         return done
     backbone = load_backbone(cfg.backbone)
-    heads, meta = (load_heads(cfg.eval.heads, backbone, cfg.backbone.allow_foreign_heads) if cfg.eval.heads
+    heads, meta = (load_heads(cfg.eval.train_run, backbone, cfg.backbone.allow_foreign_heads) if cfg.eval.train_run
                    else (None, {}))
     stats = load_tree_stats(cfg)
     dtype = resolve_dtype(cfg.eval.dtype)
@@ -264,7 +272,7 @@ def _run_eval(cfg: Config) -> dict:
         report["backbone_adapted"] = adapted
     report["predictors"] = {m: {"parameters": p.parameters, "threshold": p.threshold, "calibrated": p.calibrated}
                             for m, p in policies.items()}
-    report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.heads, skipped_prompts=skipped,
+    report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.train_run, skipped_prompts=skipped,
                   prompt_source="file" if cfg.eval.prompts else cfg.eval.prompt_source,
                   max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))
     tok = backbone.tokenizer

@@ -13,7 +13,7 @@ with the backbone they were trained against. docs/serving.md says how each engin
   original_lm_head, the backbone's own head) and token_map for a draft vocabulary.
 
 Heads trained jointly with LoRA adapters draft for the adapted backbone: the export then holds that
-backbone too, the adapters merged into its weights (<out>/target), and names it as the one to serve.
+backbone too, the adapters merged into its weights (<out>/merged_backbone), and names it as the one to serve.
 
 A family a format cannot express is refused with the reason.
 """
@@ -27,34 +27,35 @@ from pathlib import Path
 import torch
 
 from mtp_train import layout
-from mtp_train.choices import EXPORT_FORMATS
 from mtp_train.errors import MtpError
+from mtp_train.heads.registry import EXPORT_FORMATS
 
 log = logging.getLogger(__name__)
 
 SERVING_FILE = "mtp_serving.json"  # what the export holds, which backbone to serve it with, and how
-TARGET_DIR = "target"  # heads trained with LoRA adapters: the adapted backbone, merged, to serve them with
+MERGED_DIR = "merged_backbone"  # heads trained with LoRA adapters: the adapted backbone, merged, to serve them with
 WEIGHTS_FILE = "model.safetensors"
 
-# why a family cannot be written in a format (the one-line refusal)
-UNSUPPORTED = {
-    ("chained", "eagle3"): "chained MTP modules read [emb; h] through separate per-depth modules and the "
-                           "final state only; EAGLE-3 is one layer over three fused backbone layers "
-                           "(train heads=eagle3)",
-    ("medusa", "eagle3"): "Medusa heads are residual blocks on the final state; EAGLE-3 is an attention "
-                          "layer over three fused backbone layers (train heads=eagle3)",
-    ("chained", "medusa"): "chained MTP modules attend over earlier positions and read drafted tokens; "
-                           "a Medusa head is a position-wise residual block (train heads=medusa)",
-    ("eagle3", "medusa"): "EAGLE-3 heads attend over earlier positions and read drafted tokens; a Medusa "
-                          "head is a position-wise residual block (train heads=medusa)",
-}
+
+def format_refusal(family_name: str, fmt: str) -> str | None:
+    """Why heads of `family_name` cannot be written in engine format `fmt` (None: they can)."""
+    from mtp_train.heads.registry import family, family_for_format
+
+    fam = family(family_name)
+    if fam.engine_format == fmt:
+        return None
+    if fam.engine_format is None:
+        return fam.no_engine_format
+    holds = family_for_format(fmt)
+    return (f"{fam.name} heads are {fam.what}; the {fmt} format holds {holds.name} heads, {holds.what} "
+            f"(train heads={holds.name}, or export these as {fam.engine_format})")
 
 
 def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     """Write the run's trained heads in `fmt` to `out` (default <run>/export-<fmt>), atomically; a
     backbone built in code (the tiny test model) is saved beside them in <out>/backbone."""
     from mtp_train.backbone import load_backbone
-    from mtp_train.heads import load_heads
+    from mtp_train.heads.persist import load_heads
     from mtp_train.pipeline.export import load_recipe
 
     if fmt not in EXPORT_FORMATS or fmt == "native":
@@ -67,8 +68,8 @@ def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
                        f"`mtp-export-heads {run_dir} --format native`")
     cfg = load_recipe(run_dir)
     family = cfg.heads.type
-    if (family, fmt) in UNSUPPORTED:
-        raise MtpError(f"{run_dir}: {family} heads cannot be exported as {fmt}: {UNSUPPORTED[(family, fmt)]}")
+    if (why := format_refusal(family, fmt)) is not None:
+        raise MtpError(f"{run_dir}: {family} heads cannot be exported as {fmt}: {why}")
     backbone = load_backbone(cfg.backbone)
     heads, meta = load_heads(run_dir, backbone)  # refuses non-finite weights and another backbone
     if meta.get("head_type", family) != family:
@@ -98,7 +99,7 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     adapted = has_adapters(backbone.model)
     # saved with the export: the adapted model, merged (heads trained with LoRA adapters draft for it),
     # or a backbone built in code (the tiny test model); otherwise the engine reads serve_dir itself
-    saved = ((TARGET_DIR, merged_backbone(backbone.model)) if adapted else
+    saved = ((MERGED_DIR, merged_backbone(backbone.model)) if adapted else
              ("backbone", backbone.model) if serve_dir is None else None)
     if saved is not None:
         name, model = saved
@@ -180,7 +181,7 @@ def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
         },
     }
     state = {n: t for n, t in heads.state_dict().items() if n != "draft_ids"}
-    state["lm_head.weight"] = heads.head_weight(backbone.lm_head).detach()
+    state["lm_head.weight"] = heads.lm_weight(backbone.lm_head).detach()
     # the backbone's embedding, as speculators saves it: without it its loader keeps a random init
     state["embed_tokens.weight"] = backbone.embed_tokens.weight.detach()
     if heads.draft_size < heads.vocab_size:
@@ -192,7 +193,7 @@ def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
 
 def medusa_files(heads, backbone) -> tuple[dict, dict]:
     """(config.json, weights) in vLLM's Medusa layout."""
-    shared = heads.lm_heads is None
+    shared = not heads.per_depth_lm
     config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": heads.hidden_size,
               "vocab_size": heads.vocab_size, "num_heads": heads.k,
               "num_hidden_layers": len(heads.blocks[0]), "truncated_vocab_size": heads.draft_size,

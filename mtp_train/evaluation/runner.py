@@ -1,0 +1,203 @@
+"""mtp-eval's runner: every decoding mode and HF `generate` greedy on the same prompts, in one
+process, after a warm-up, in interleaved timing rounds; and the report their figures make
+(`evaluation/metrics.py` computes them, `evaluation/render.py` shows and saves them).
+
+`eval_report.json` holds, under "modes", one object per mode with exactly these keys (docs/algorithms.md,
+"Metrics"): tau (committed tokens per backbone forward after the prefill), acceptance (per-depth
+acceptance: kept / reached), tokens_per_s, speedup_vs_hf (HF's wall time / the mode's, prefill
+included), repetition_ratio (1 - unique / total 4-grams, averaged over outputs), backbone_nll (the
+backbone's mean per-token NLL of the output, teacher-forced), greedy_match_rate (outputs identical to
+our greedy's; lossy modes), identical_to_greedy, n_prompts, new_tokens, speedup_vs_best_hf (against
+the faster of fp32 and bf16 HF generate, from `hf_dtype_probe`). Under "details", per mode:
+first_divergence (mean first differing position over outputs that differ), wall_s, prefill_s,
+decode_s and accept_hist; for lossless modes also divergence_margins (per prompt, at the first token
+that differs from greedy's: how far the backbone preferred greedy's token, in nats and in the dtype's
+rounding steps), max_divergence_ulps / _nats, and the differences counted by kind: divergences,
+divergences_judged, divergences_at_near_ties, divergences_greedy_led, divergences_mode_led.
+Top level: step_cost (forward over k+1 tokens / over 1), the heads' training-time val/sim_tau next
+to the measured tau, the prompts skipped as too long, "divergence" (one line per lossless
+mode that is not identical to greedy: rounding at near-ties, or tokens the backbone did not choose),
+and "decoder": the matmul layout, dtype, verify cost curve and the trees weighed against it
+(docs/decoding.md).
+
+Timing runs in eval.rounds rounds; in each, every prompt is decoded by HF generate and every mode in
+an order that rotates with the prompt and the round, so no mode always runs first. Outputs and
+acceptance come from round 1; speedup_vs_hf and tokens_per_s are medians over the rounds, and the
+details add wall_s_rounds, speedup_rounds, speedup_spread ([min, max]), nondeterministic (a later
+round's tokens differed from round 1's) and plausible_max_speedup: a step costs at least one
+backbone forward, so a mode cannot beat HF by more than 1.15 x tau x max(1, our greedy's speedup);
+a mode above that bound is listed in the top-level "flags" (the machine was probably loaded).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mtp_train.backbone import eos_ids
+from mtp_train.evaluation.decode import decode
+from mtp_train.evaluation.metrics import (
+    backbone_nll,
+    divergence_lines,
+    divergence_summary,
+    first_divergence,
+    plausibility_flags,
+    summarise,
+)
+from mtp_train.evaluation.modes import MODES
+from mtp_train.evaluation.planning import adaptive_policy, plan_trees
+
+log = logging.getLogger(__name__)
+
+
+def hf_generate(backbone, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                          pad_token_id=backbone.tokenizer.pad_token_id or eos[0])
+    ids = torch.tensor([prompt], device=backbone.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+
+
+def backbone_drift(backbone, prompts: list[list[int]], eos: list[int], max_new_tokens: int) -> dict:
+    """How far LoRA adapters moved the backbone, on the evaluation's prompts: the adapted and the
+    original model's greedy answers (HF generate, untimed) compared token by token, and the NLL the
+    original gives each. `greedy_match_rate`: answers identical; `prefix_match`: mean fraction of
+    the original's answer reproduced before the first difference; `nll_increase`: the original's
+    NLL on the adapted answers minus on its own."""
+    from tqdm.auto import tqdm
+
+    from mtp_train.adapters import adapters_disabled
+
+    bar = tqdm(total=2 * len(prompts), desc="backbone drift", unit="prompt", dynamic_ncols=True)
+    adapted = []
+    for p in prompts:
+        adapted.append(hf_generate(backbone, p, max_new_tokens, eos)[0])
+        bar.update(1)
+    with adapters_disabled(backbone.model):
+        original = []
+        for p in prompts:
+            original.append(hf_generate(backbone, p, max_new_tokens, eos)[0])
+            bar.update(1)
+        nll_adapted = [backbone_nll(backbone, p, o) for p, o in zip(prompts, adapted, strict=True)]
+        nll_original = [backbone_nll(backbone, p, o) for p, o in zip(prompts, original, strict=True)]
+    bar.close()
+    div = [first_divergence(a, o) for a, o in zip(adapted, original, strict=True)]
+    prefix = [(len(o) if d is None else d) / max(1, len(o)) for d, o in zip(div, original, strict=True)]
+    n = len(prompts)
+    return {"n_prompts": n, "greedy_match_rate": sum(d is None for d in div) / n,
+            "prefix_match": sum(prefix) / n,
+            "original_nll_on_adapted": sum(nll_adapted) / n, "original_nll_on_original": sum(nll_original) / n,
+            "nll_increase": (sum(nll_adapted) - sum(nll_original)) / n}
+
+
+def round_order(names: list[str], prompt_index: int, round_index: int) -> list[str]:
+    """The order in which HF generate and the modes decode one prompt in one round: a rotation by
+    prompt index + round index, so that no one of them always runs first (or always last)."""
+    shift = (prompt_index + round_index) % len(names)
+    return names[shift:] + names[:shift]
+
+
+def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None,
+              tree_stats=None) -> dict:
+    """Decode every prompt with HF generate and each mode in cfg.modes, in cfg.rounds timing rounds;
+    returns the report dict and round 1's outputs per mode."""
+    from tqdm.auto import tqdm
+
+    from mtp_train.decoding import ROW_BUCKETS, Decoder
+    from mtp_train.decoding.costs import measure_matmuls
+
+    tok = backbone.tokenizer
+    eos = eos_ids(backbone.model, tok)
+    dec = Decoder(backbone, heads, eos_ids=eos)
+    k = dec.k
+    mm = measure_matmuls(dec)
+    log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T): %s",
+             "/".join(map(str, ROW_BUCKETS)), mm.describe())
+    plan = plan_trees(dec, tree_stats, prompts[0], cfg) if k else {}
+    costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
+
+    def run_mode(name: str, prompt: list[int], max_new_tokens: int | None = None):
+        m = MODES[name]  # the record takes the options its parts read
+        opts = {"delta": cfg.delta, "budget": cfg.budget, "tree": plan.get(m.drafts),
+                "span_policy": span_policies.get(name)}
+        if m.drafts == "adaptive":  # a policy learns as it decodes: a fresh one per prompt
+            opts["depth_policy"] = adaptive_policy(plan, cfg)
+        return decode(dec, prompt, max_new_tokens or cfg.max_new_tokens, name, **opts)
+
+    span_policies = span_policies or {}
+    for p in prompts[: cfg.warmup]:  # warm-up: allocator, thread pools, one-time kernels
+        hf_generate(backbone, p, min(16, cfg.max_new_tokens), eos)
+        for mode in cfg.modes:
+            run_mode(mode, p, min(16, cfg.max_new_tokens))
+    rounds = getattr(cfg, "rounds", 1)
+    names = ["hf_generate", *cfg.modes]
+    bar = tqdm(total=rounds * len(prompts) * len(names), desc="decode", unit="run", dynamic_ncols=True)
+    first = {n: [] for n in names}  # round 1: HF's token lists, the modes' DecodeResults
+    wall = {n: [0.0] * rounds for n in names}  # seconds per round, over all prompts
+    new_tokens = {n: [0] * rounds for n in names}
+    nondeterministic = set()
+    for r in range(rounds):
+        # interleaved per prompt, in a rotating order: drift in machine speed hits every mode alike
+        for i, p in enumerate(prompts):
+            for name in round_order(names, i, r):
+                if name == "hf_generate":
+                    res, secs = hf_generate(backbone, p, cfg.max_new_tokens, eos)
+                    out = res
+                else:
+                    t0 = time.perf_counter()
+                    res = run_mode(name, p)
+                    secs = time.perf_counter() - t0
+                    out = res.tokens
+                wall[name][r] += secs
+                new_tokens[name][r] += len(out)
+                if r == 0:
+                    first[name].append(res)
+                else:
+                    ref = first[name][i]
+                    if out != (ref if name == "hf_generate" else ref.tokens):
+                        nondeterministic.add(name)
+                bar.update(1)
+    bar.close()
+    for name in sorted(nondeterministic):
+        log.warning("%s: a later timing round decoded other tokens than round 1 (nondeterministic)", name)
+    hf_out = first["hf_generate"]
+    outputs = {m: [res.tokens for res in first[m]] for m in cfg.modes}
+    greedy = outputs.get("greedy", hf_out)
+    report = {"modes": {}, "details": {}}
+    for name in names:
+        outs = hf_out if name == "hf_generate" else outputs[name]
+        results = [] if name == "hf_generate" else first[name]
+        report["modes"][name], report["details"][name] = summarise(
+            name, outs, results, wall[name], wall["hf_generate"], None if name == "greedy" else greedy,
+            [backbone_nll(backbone, p, o) for p, o in zip(prompts, outs, strict=True)], k,
+            round_tokens=new_tokens[name])
+        report["details"][name]["nondeterministic"] = name in nondeterministic
+        if MODES[name].lossless and name not in ("greedy", "hf_generate"):
+            report["details"][name].update(divergence_summary(backbone, prompts, greedy, outs))
+    report["eos"] = eos
+    report["step_cost"] = costs[-1]
+    report["step_costs"] = costs
+    if plan:
+        report["decoder"] = {"matmul_layout": mm.describe(), "dtype": str(backbone.model.dtype).replace("torch.", ""),
+                             "verify_costs": _json_keys(plan["curve"]), "trees": plan["summary"]}
+    report["k"] = k
+    report["sim_tau"] = sim_tau
+    report["rounds"] = rounds
+    report["flags"] = plausibility_flags(report)
+    report["divergence"] = divergence_lines(report)
+    for line in report["flags"] + report["divergence"]:
+        log.warning("%s", line)
+    return report, outputs | {"hf_generate": hf_out}
+
+
+
+def _json_keys(curve: dict) -> dict:
+    """The cost curve with string keys, as it reads back from eval_report.json."""
+    return {**curve, "costs": {str(n): c for n, c in curve["costs"].items()},
+            "spread": {str(n): v for n, v in curve["spread"].items()}}

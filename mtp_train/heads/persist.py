@@ -1,0 +1,120 @@
+"""Heads on disk: build heads from `heads.*`, save what trains, load trained heads back.
+
+A run's heads are `heads.safetensors` (the trainable tensors and the draft vocabulary's ids) and
+`heads.json` (the heads' settings, the backbone they were trained on, the recipe and metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtp_train.config import HeadsConfig
+from mtp_train.errors import ConfigError, MtpError
+from mtp_train.heads.base import DraftHeads
+from mtp_train.heads.registry import family
+from mtp_train.layout import HEADS_FILE, HEADS_META
+
+
+def aux_layers_for(cfg: HeadsConfig, backbone_config) -> list[int]:
+    """The backbone layers whose inputs heads built from `cfg` read besides the final state (empty
+    for the families that read only the final state)."""
+    return family(cfg.type).heads_class().aux_layers_for(cfg, backbone_config)
+
+
+def build_heads(cfg: HeadsConfig, backbone, draft_ids: torch.Tensor | None = None) -> DraftHeads:
+    """Untrained heads of family `cfg.type` for `backbone`."""
+    return family(cfg.type).heads_class().from_config(cfg, backbone, draft_ids)
+
+
+def count_parameters(module: nn.Module) -> dict:
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return {"trainable": trainable, "total": sum(p.numel() for p in module.parameters())}
+
+
+def heads_state_dict(heads: nn.Module) -> dict[str, torch.Tensor]:
+    """What a heads file holds: the parameters that train, and the draft vocabulary's ids if any."""
+    names = {n for n, p in heads.named_parameters() if p.requires_grad}
+    if heads.draft_ids is not None:
+        names.add("draft_ids")
+    return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}
+
+
+def heads_config_from(meta: dict, meta_file: Path) -> HeadsConfig:
+    """The heads' settings recorded in heads.json; faults are the file's, not the command line's."""
+    import dataclasses
+
+    recorded = meta.get("heads") if isinstance(meta, dict) else None
+    if not isinstance(recorded, dict):
+        raise MtpError(f"{meta_file}: has no 'heads' settings (written by mtp-train, or damaged)")
+    known = {f.name for f in dataclasses.fields(HeadsConfig)}
+    if stray := sorted(set(recorded) - known):
+        raise MtpError(f"{meta_file}: 'heads' has keys this version does not know: {', '.join(stray)} "
+                       f"(known: {', '.join(sorted(known))})")
+    try:
+        return HeadsConfig(**recorded)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise MtpError(f"{meta_file}: its 'heads' settings are invalid ({e})") from None
+
+
+def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreign: bool) -> None:
+    """Heads drafted for one backbone's hidden states are wrong for another of the same shape: the
+    weights' fingerprint decides; the name, a free label, only adds to the message."""
+    log = logging.getLogger("mtp_train")
+    if not isinstance(recorded.get("fingerprint"), str):
+        raise MtpError(f"{meta_file}: its 'backbone' record has no weights fingerprint (written by "
+                       "mtp-train, or damaged)")
+    if recorded["fingerprint"] == backbone.fingerprint():
+        if recorded.get("name") not in (None, backbone.name):
+            log.warning("%s: heads were trained on these weights under the name %r (this backbone is "
+                        "named %r)", meta_file, recorded["name"], backbone.name)
+        return
+    problems = []
+    if recorded.get("name") not in (None, backbone.name):
+        problems.append(f"named {recorded['name']!r}, this one is {backbone.name!r}")
+    if recorded["fingerprint"] != backbone.fingerprint():
+        problems.append(f"weights fingerprint {recorded['fingerprint']}, this one's is {backbone.fingerprint()}")
+    if not problems:
+        return
+    what = f"{meta_file}: heads were trained on another backbone ({'; '.join(problems)})"
+    if not allow_foreign:
+        raise ConfigError(f"{what}; use the backbone they were trained on, or set "
+                          "backbone.allow_foreign_heads=true to load them anyway")
+    log.warning("%s; loading them anyway (backbone.allow_foreign_heads=true)", what)
+
+
+def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple[nn.Module, dict]:
+    """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`:
+    its shape always; its name and weights fingerprint unless `allow_foreign`
+    (backbone.allow_foreign_heads), which only warns. Heads trained with LoRA adapters bring them:
+    the adapters are loaded into `backbone` (in place), which is then the adapted model.
+
+    Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
+    from mtp_train.artifacts import load_weights, read_weights_meta
+
+    d = Path(path)
+    meta, meta_file, weights = read_weights_meta(d, HEADS_META, HEADS_FILE, "written by mtp-train")
+    bb = meta.get("backbone") if isinstance(meta, dict) else None
+    if not isinstance(bb, dict):
+        raise MtpError(f"{meta_file}: has no 'backbone' record (written by mtp-train, or damaged)")
+    for key, have in (("hidden_size", backbone.hidden_size), ("vocab_size", backbone.vocab_size)):
+        if bb.get(key) != have:
+            raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
+                              f"this backbone ({backbone.name}) has {have}")
+    _check_same_backbone(meta_file, bb, backbone, allow_foreign)
+    state = load_weights(weights)
+    cfg = heads_config_from(meta, meta_file)
+    heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise MtpError(f"{weights}: does not match {cfg.type} heads with k={cfg.k} "
+                       f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
+    if meta.get("adapter"):  # trained jointly with LoRA adapters: the heads draft for the adapted backbone
+        from mtp_train.adapters import attach_run_adapter
+
+        attach_run_adapter(d, meta["adapter"], backbone)
+    return heads.to(backbone.device).eval(), meta
