@@ -1,20 +1,20 @@
-"""Typed config schemas (no Hydra import here: `mtp_train.entry` registers them in Hydra's ConfigStore).
+"""Typed config schemas (no Hydra import here: `mtp_train.cli.common` registers them in Hydra's ConfigStore).
 
 `conf/config.yaml` starts its defaults list with `config_schema`, so every YAML group file is merged
 into these dataclasses: a mistyped key or a value of the wrong type fails at compose time with
 Hydra's message naming the key. Value rules (k >= 1, known loss names, non-negative lengths...) live
-in `__post_init__` and run in `validate()`, which every entry point calls first; each message names
-the full config key so a user can fix the override they typed.
+in `__post_init__` and run in `config_rules.validate()`, which every entry point calls first; each
+message names the full config key so a user can fix the override they typed. A command judges only
+the keys it reads (`config_rules.READS`): mtp-eval takes the heads' settings from the trained run, so
+a loss or trainer value it never uses does not stop it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 
 from mtp_train.choices import (
     ADAPTIVE_POLICIES,
@@ -23,10 +23,6 @@ from mtp_train.choices import (
     DATA_USES,
     DTYPES,
     EVAL_DTYPES,
-    EVAL_MODES,
-    HEAD_INITS,
-    HEAD_LM,
-    HEAD_TYPES,
     LABEL_SOURCES,
     LABEL_SPLITS,
     LOSS_NAMES,
@@ -35,20 +31,9 @@ from mtp_train.choices import (
     PROMPT_SOURCES,
     SEGMENT_RULES,
 )
-from mtp_train.errors import ConfigError
-
-
-def _check(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {msg}")
-
-
-def _check_seed(value: int, key: str) -> None:
-    _check(0 <= value < 2**32, key, f"must be in [0, 2**32) (numpy and torch seed ranges), got {value}")
-
-
-def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
-    _check(value in choices, key, f"unknown value {value!r}; choose one of {', '.join(choices)}")
+from mtp_train.config_rules import check, check_choice, check_k_fits, check_seed
+from mtp_train.evaluation.modes import EVAL_MODES, MODES
+from mtp_train.heads.registry import FAMILIES  # what each family accepts is its record's
 
 
 @dataclass
@@ -65,10 +50,10 @@ class TinyBackboneConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            _check(getattr(self, name) > 0, f"backbone.tiny.{name}", "must be > 0")
-        _check(self.hidden_size % self.num_heads == 0, "backbone.tiny.hidden_size",
+            check(getattr(self, name) > 0, f"backbone.tiny.{name}", "must be > 0")
+        check(self.hidden_size % self.num_heads == 0, "backbone.tiny.hidden_size",
                "must be divisible by backbone.tiny.num_heads")
-        _check(self.num_heads % self.num_kv_heads == 0, "backbone.tiny.num_kv_heads",
+        check(self.num_heads % self.num_kv_heads == 0, "backbone.tiny.num_kv_heads",
                "must divide backbone.tiny.num_heads")
 
 
@@ -85,11 +70,11 @@ class LoraConfig:
     lr: float | None = None  # the adapters' learning rate (None: train.lr)
 
     def __post_init__(self) -> None:
-        _check(self.r > 0, "backbone.lora.r", "must be > 0")
-        _check(0.0 <= self.dropout < 1.0, "backbone.lora.dropout", "must be in [0, 1)")
-        _check(self.distill_weight >= 0, "backbone.lora.distill_weight", "must be >= 0")
-        _check(self.lr is None or self.lr > 0, "backbone.lora.lr", "must be > 0 (or null for train.lr)")
-        _check(bool(self.target_modules), "backbone.lora.target_modules", "name at least one module")
+        check(self.r > 0, "backbone.lora.r", "must be > 0")
+        check(0.0 <= self.dropout < 1.0, "backbone.lora.dropout", "must be in [0, 1)")
+        check(self.distill_weight >= 0, "backbone.lora.distill_weight", "must be >= 0")
+        check(self.lr is None or self.lr > 0, "backbone.lora.lr", "must be > 0 (or null for train.lr)")
+        check(bool(self.target_modules), "backbone.lora.target_modules", "name at least one module")
 
 
 @dataclass
@@ -110,17 +95,17 @@ class BackboneConfig:
     allow_foreign_heads: bool = False
 
     def __post_init__(self) -> None:
-        _choice(self.source, BACKBONE_SOURCES, "backbone.source")
-        _choice(self.dtype, DTYPES, "backbone.dtype")
-        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+        check_choice(self.source, BACKBONE_SOURCES, "backbone.source")
+        check_choice(self.dtype, DTYPES, "backbone.dtype")
+        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                "backbone.device", f"unknown device {self.device!r}; use auto, cpu or cuda[:N]")
         if self.source == "hf":
-            _check(bool(self.path), "backbone.path", "required when backbone.source=hf")
+            check(bool(self.path), "backbone.path", "required when backbone.source=hf")
         if self.source == "gguf":
-            _check(bool(self.gguf_file), "backbone.gguf_file", "required when backbone.source=gguf")
-            _check(bool(self.path or self.gguf_package), "backbone.gguf_package",
+            check(bool(self.gguf_file), "backbone.gguf_file", "required when backbone.source=gguf")
+            check(bool(self.path or self.gguf_package), "backbone.gguf_package",
                    "set backbone.gguf_package or backbone.path for a gguf backbone")
-            _check(bool(self.converted_dir), "backbone.converted_dir", "required for gguf")
+            check(bool(self.converted_dir), "backbone.converted_dir", "required for gguf")
 
 
 MAX_K = 16
@@ -146,31 +131,33 @@ class HeadsConfig:
     norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
-        _choice(self.type, HEAD_TYPES, "heads.type")
-        _choice(self.init, HEAD_INITS, "heads.init")
-        _check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
+        check_choice(self.type, tuple(FAMILIES), "heads.type")
+        fam = FAMILIES.get(self.type)
+        if fam is None:  # unknown, and not judged by this command (mtp-eval reads the run's heads.json)
+            return
+        check(self.k >= 1, "heads.k", f"must be >= 1, got {self.k}")
         # the validation's rank statistics count (R + 1)^k cells per entropy bucket, R >= 1
-        _check(self.k <= MAX_K, "heads.k", f"at most {MAX_K} (deeper drafts are all but never accepted, "
+        check(self.k <= MAX_K, "heads.k", f"at most {MAX_K} (deeper drafts are all but never accepted, "
                                            f"and the tree statistics would not fit), got {self.k}")
-        _check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
-        _choice(self.lm_head, HEAD_LM, "heads.lm_head")
-        _check(self.draft_vocab is None or self.draft_vocab >= 2, "heads.draft_vocab",
+        check(self.num_layers >= 1, "heads.num_layers", f"must be >= 1, got {self.num_layers}")
+        check(self.draft_vocab is None or self.draft_vocab >= 2, "heads.draft_vocab",
                f"must be >= 2 or null (the whole vocabulary), got {self.draft_vocab}")
-        _check(not (self.type == "chained" and self.lm_head == "copy"), "heads.lm_head",
-               "chained MTP modules share the backbone's LM head; lm_head=copy is for medusa")
-        _check(self.aux_layers is None or self.type == "eagle3", "heads.aux_layers",
-               "names the backbone layers EAGLE-3 heads read; set heads=eagle3 or leave it null")
+        for key, value, accepted, known in (
+                ("heads.init", self.init, fam.inits, [v for f in FAMILIES.values() for v in f.inits]),
+                ("heads.lm_head", self.lm_head, fam.lm_heads, [v for f in FAMILIES.values() for v in f.lm_heads])):
+            check_choice(value, tuple(dict.fromkeys(known)), key)
+            check(value in accepted, key, f"{value!r} is not for {self.type} heads ({fam.what}); they "
+                                           f"take {' or '.join(accepted)}")
+        check(self.aux_layers is None or fam.reads_aux, "heads.aux_layers",
+               f"names backbone layers for heads that read them besides the final state "
+               f"({', '.join(f.name for f in FAMILIES.values() if f.reads_aux)}); leave it null for {self.type}")
         if self.aux_layers is not None:
             self.aux_layers = sorted(int(i) for i in self.aux_layers)  # the order engines collect them in
-            _check(len(self.aux_layers) >= 1 and len(set(self.aux_layers)) == len(self.aux_layers)
+            check(len(self.aux_layers) >= 1 and len(set(self.aux_layers)) == len(self.aux_layers)
                    and min(self.aux_layers) >= 0, "heads.aux_layers",
                    f"must be distinct layer ids >= 0, got {self.aux_layers}")
-        _check(self.init != "copy_last" or self.type == "chained", "heads.init",
-               "copy_last copies the backbone's last layer into chained modules; set heads=chained")
-        _check(self.init != "final_state" or self.type == "eagle3", "heads.init",
-               "final_state fits EAGLE-3's fc to the backbone's final state; set heads=eagle3")
-        _check(not (self.share and self.type != "chained"), "heads.share",
-               "shares one chained module across depths; Medusa heads read the same input at every depth")
+        check(not self.share or fam.shares_modules, "heads.share",
+               f"shares one module across depths; {self.type} heads have none to share ({fam.what})")
 
 
 @dataclass
@@ -182,13 +169,13 @@ class LossSchedule:
 
     def __post_init__(self) -> None:
         if self.then is not None:
-            _choice(self.then, LOSS_NAMES, "loss.schedule.then")
-        _check(0 <= self.at <= 1, "loss.schedule.at", f"must be a fraction of the steps in [0, 1], got {self.at}")
+            check_choice(self.then, LOSS_NAMES, "loss.schedule.then")
+        check(0 <= self.at <= 1, "loss.schedule.at", f"must be a fraction of the steps in [0, 1], got {self.at}")
 
 
 @dataclass
 class LossConfig:
-    name: str = "ce"
+    name: str = "kl"  # KL trained every depth best in the recipe comparisons (docs/results.md)
     depth_weights: list[float] | None = None  # lambda_j per depth; None = all ones
     schedule: LossSchedule = field(default_factory=LossSchedule)
     # top-K distillation (HASS): + topk_weight x CE of each head against the backbone's K most
@@ -203,15 +190,15 @@ class LossConfig:
     zscore_threshold: float = 2.0
 
     def __post_init__(self) -> None:
-        _choice(self.name, LOSS_NAMES, "loss.name")
-        _choice(self.segment_rule, SEGMENT_RULES, "loss.segment_rule")
-        _check(self.zscore_window >= 2, "loss.zscore_window", "must be >= 2")
-        _check(self.topk >= 0, "loss.topk", f"must be >= 0 (0 = off), got {self.topk}")
-        _check(self.topk_weight >= 0, "loss.topk_weight", f"must be >= 0, got {self.topk_weight}")
+        check_choice(self.name, LOSS_NAMES, "loss.name")
+        check_choice(self.segment_rule, SEGMENT_RULES, "loss.segment_rule")
+        check(self.zscore_window >= 2, "loss.zscore_window", "must be >= 2")
+        check(self.topk >= 0, "loss.topk", f"must be >= 0 (0 = off), got {self.topk}")
+        check(self.topk_weight >= 0, "loss.topk_weight", f"must be >= 0, got {self.topk_weight}")
         if self.depth_weights is not None:
-            _check(all(w >= 0 for w in self.depth_weights), "loss.depth_weights",
+            check(all(w >= 0 for w in self.depth_weights), "loss.depth_weights",
                    "weights must be >= 0")
-            _check(sum(self.depth_weights) > 0, "loss.depth_weights", "all zero: no depth would train")
+            check(sum(self.depth_weights) > 0, "loss.depth_weights", "all zero: no depth would train")
 
     def name_at(self, step: int, max_steps: int) -> str:
         """The loss in force at optimizer step `step` of `max_steps`."""
@@ -241,14 +228,14 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
-            _check(getattr(self, name) > 0, f"data.distill.{name}", "must be > 0")
+            check(getattr(self, name) > 0, f"data.distill.{name}", "must be > 0")
         for name in ("max_train_prompts", "max_val_prompts"):
             v = getattr(self, name)
-            _check(v is None or v >= 0, f"data.distill.{name}", "must be >= 0 or null")
-        _check(self.temperature > 0, "data.distill.temperature", "must be > 0")
-        _check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
-        _choice(self.autocast, ("auto", *DTYPES), "data.distill.autocast")
-        _check_seed(self.seed, "data.distill.seed")
+            check(v is None or v >= 0, f"data.distill.{name}", "must be >= 0 or null")
+        check(self.temperature > 0, "data.distill.temperature", "must be > 0")
+        check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
+        check_choice(self.autocast, ("auto", *DTYPES), "data.distill.autocast")
+        check_seed(self.seed, "data.distill.seed")
 
 
 @dataclass
@@ -267,17 +254,17 @@ class DataConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
-        _choice(self.source, DATA_SOURCES, "data.source")
-        _check_seed(self.seed, "data.seed")
+        check_choice(self.source, DATA_SOURCES, "data.source")
+        check_seed(self.seed, "data.seed")
         if self.source in ("jsonl", "disk"):
-            _check(bool(self.path), "data.path", f"required when data.source={self.source}")
-        _check(self.max_length > 0, "data.max_length", f"must be > 0, got {self.max_length}")
-        _check(self.max_conversations is None or self.max_conversations > 0,
+            check(bool(self.path), "data.path", f"required when data.source={self.source}")
+        check(self.max_length > 0, "data.max_length", f"must be > 0, got {self.max_length}")
+        check(self.max_conversations is None or self.max_conversations > 0,
                "data.max_conversations", "must be > 0 or null")
-        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
-        _check(self.min_val_rows >= 1, "data.min_val_rows", "must be >= 1 (training validates)")
-        _check(self.num_proc >= 1, "data.num_proc", "must be >= 1")
-        _check(self.tiny_rows > 1, "data.tiny_rows", "must be > 1")
+        check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+        check(self.min_val_rows >= 1, "data.min_val_rows", "must be >= 1 (training validates)")
+        check(self.num_proc >= 1, "data.num_proc", "must be >= 1")
+        check(self.tiny_rows > 1, "data.tiny_rows", "must be > 1")
 
 
 @dataclass
@@ -306,18 +293,18 @@ class TrainConfig:
     eval_after: bool = False
 
     def __post_init__(self) -> None:
-        _choice(self.data_use, DATA_USES, "train.data_use")
-        _check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
-        _check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
-        _check(self.batch_size > 0, "train.batch_size", "must be > 0")
-        _check(self.length_window >= 0, "train.length_window", f"must be >= 0, got {self.length_window}")
-        _check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
-        _check(self.lr > 0, "train.lr", "must be > 0")
-        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-        _choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
-        _check(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
+        check_choice(self.data_use, DATA_USES, "train.data_use")
+        check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
+        check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
+        check(self.batch_size > 0, "train.batch_size", "must be > 0")
+        check(self.length_window >= 0, "train.length_window", f"must be >= 0, got {self.length_window}")
+        check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
+        check(self.lr > 0, "train.lr", "must be > 0")
+        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        check_choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+        check(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
 
 
 
@@ -326,7 +313,7 @@ class TrainConfig:
 class ClpConfig:
     """mtp-clp: acceptance labels from decoding with trained heads, predictors fitted on them."""
 
-    heads: str | None = None  # the mtp-train run directory whose heads make the labels
+    train_run: str | None = None  # the mtp-train run directory whose heads make the labels
     # where labels come from: "cache" = every answer position of the self-distilled training rows
     # in the hidden-state cache (the backbone's own greedy text; no decoding, seconds), "decode" =
     # decode n_prompts training prompts with the heads, "auto" = cache when there is one
@@ -348,26 +335,24 @@ class ClpConfig:
     # CLP commits m drafts unverified where P(L >= m) >= threshold; calibration keeps the fastest
     # of these within the bounds below (a threshold of 1.0 commits none)
     thresholds: list[float] = field(default_factory=lambda: [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
-    taus: list[float] | None = None  # renamed to thresholds ("tau" is the accepted length); refused
     max_repetition_increase: float = 0.02  # calibration bounds against plain greedy decoding
     max_nll_increase: float = 0.10  # nats per token
 
     def __post_init__(self) -> None:
-        _check(self.taus is None, "clp.taus", "renamed to clp.thresholds (tau is the mean accepted length)")
-        _check(all(0 < t <= 1 for t in self.thresholds) and len(self.thresholds) > 0, "clp.thresholds",
+        check(all(0 < t <= 1 for t in self.thresholds) and len(self.thresholds) > 0, "clp.thresholds",
                "must be values in (0, 1]")
-        _check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
-        _choice(self.label_source, LABEL_SOURCES, "clp.label_source")
-        _choice(self.label_split, LABEL_SPLITS, "clp.label_split")
+        check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
+        check_choice(self.label_source, LABEL_SOURCES, "clp.label_source")
+        check_choice(self.label_split, LABEL_SPLITS, "clp.label_split")
         for kind in self.kinds:
-            _choice(kind, PREDICTOR_KINDS, "clp.kinds")
-        _check(len(self.kinds) > 0 and len(set(self.kinds)) == len(self.kinds), "clp.kinds",
+            check_choice(kind, PREDICTOR_KINDS, "clp.kinds")
+        check(len(self.kinds) > 0 and len(set(self.kinds)) == len(self.kinds), "clp.kinds",
                f"name each predictor kind once, at least one (clp, gate), got {list(self.kinds)}")
-        _check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")
-        _check(self.max_new_tokens > 1, "clp.max_new_tokens", "must be > 1")
-        _check(self.shard_prompts > 0, "clp.shard_prompts", "must be > 0")
-        _check(0 < self.val_fraction < 1, "clp.val_fraction", "must be in (0, 1)")
-        _check(self.epochs > 0 and self.batch_size > 0 and self.lr > 0, "clp.epochs",
+        check(self.n_prompts > 0, "clp.n_prompts", "must be > 0")
+        check(self.max_new_tokens > 1, "clp.max_new_tokens", "must be > 1")
+        check(self.shard_prompts > 0, "clp.shard_prompts", "must be > 0")
+        check(0 < self.val_fraction < 1, "clp.val_fraction", "must be in (0, 1)")
+        check(self.epochs > 0 and self.batch_size > 0 and self.lr > 0, "clp.epochs",
                "epochs, batch_size and lr must be > 0")
 
 
@@ -375,9 +360,8 @@ class ClpConfig:
 class EvalConfig:
     """mtp-eval: which heads, which prompts, which decoding modes (HF generate greedy always runs)."""
 
-    heads: str | None = None  # directory with heads.safetensors + heads.json (an mtp-train run)
-    clp: str | None = None  # an mtp-clp predictor directory (<run>/clp), for modes clp and clp+verify
-    gate: str | None = None  # the gate baseline's directory (<run>/gate), for mode gate
+    train_run: str | None = None  # the mtp-train run directory whose heads (heads.safetensors + .json) decode
+    clp_run: str | None = None  # the mtp-clp run directory whose predictors (clp/, gate/) the span modes use
     prompts: str | None = None  # JSONL with {"prompt": ...} rows; None = eval.prompt_source
     prompt_source: str = "validation"  # without eval.prompts: validation (held-out split) | unseen
     n_prompts: int | None = 8  # first N prompts (None = all)
@@ -397,43 +381,40 @@ class EvalConfig:
     entropy_high: float = 3.0  # no head at or above
     # clp, gate, clp+verify at this threshold instead of the calibrated one (to map the trade-off)
     span_threshold: float | None = None
-    span_tau: float | None = None  # renamed to span_threshold; refused
 
     def __post_init__(self) -> None:
-        _check(self.span_tau is None, "eval.span_tau", "renamed to eval.span_threshold (tau is the mean accepted length)")
-        _check(self.span_threshold is None or 0 < self.span_threshold <= 1, "eval.span_threshold",
+        check(self.span_threshold is None or 0 < self.span_threshold <= 1, "eval.span_threshold",
                "must be in (0, 1] or null")
         for m in self.modes:
-            _choice(m, tuple(EVAL_MODES), "eval.modes")
-        _check(len(set(self.modes)) == len(self.modes), "eval.modes", "lists a mode twice")
-        _check(self.n_prompts is None or self.n_prompts > 0, "eval.n_prompts", "must be > 0 or null")
-        _check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0")
-        _check(self.max_prompt_tokens > 0, "eval.max_prompt_tokens", "must be > 0")
-        _check(self.warmup >= 0, "eval.warmup", "must be >= 0")
-        _check(self.rounds >= 1, "eval.rounds", f"must be >= 1, got {self.rounds}")
-        _choice(self.dtype, EVAL_DTYPES, "eval.dtype")
-        _check(self.tree_nodes is None or 1 <= self.tree_nodes <= 128, "eval.tree_nodes", "must be in 1..128 or null")
-        _check(bool(self.tree_budgets) and all(1 <= b <= 128 for b in self.tree_budgets), "eval.tree_budgets",
+            check_choice(m, tuple(EVAL_MODES), "eval.modes")
+        check(len(set(self.modes)) == len(self.modes), "eval.modes", "lists a mode twice")
+        check(self.n_prompts is None or self.n_prompts > 0, "eval.n_prompts", "must be > 0 or null")
+        check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0")
+        check(self.max_prompt_tokens > 0, "eval.max_prompt_tokens", "must be > 0")
+        check(self.warmup >= 0, "eval.warmup", "must be >= 0")
+        check(self.rounds >= 1, "eval.rounds", f"must be >= 1, got {self.rounds}")
+        check_choice(self.dtype, EVAL_DTYPES, "eval.dtype")
+        check(self.tree_nodes is None or 1 <= self.tree_nodes <= 128, "eval.tree_nodes", "must be in 1..128 or null")
+        check(bool(self.tree_budgets) and all(1 <= b <= 128 for b in self.tree_budgets), "eval.tree_budgets",
                "must list node budgets in 1..128")
-        _check(self.dynamic_topk >= 1, "eval.dynamic_topk", "must be >= 1")
-        _choice(self.prompt_source, PROMPT_SOURCES, "eval.prompt_source")
-        _check(self.prompt_source == "validation" or not self.prompts, "eval.prompt_source",
+        check(self.dynamic_topk >= 1, "eval.dynamic_topk", "must be >= 1")
+        check_choice(self.prompt_source, PROMPT_SOURCES, "eval.prompt_source")
+        check(self.prompt_source == "validation" or not self.prompts, "eval.prompt_source",
                f"{self.prompt_source} reads the data source; it cannot be combined with eval.prompts "
                "(set eval.prompts=null or eval.prompt_source=validation)")
-        _check(0 < self.delta <= 1, "eval.delta", "must be in (0, 1]")
-        _check(self.budget >= 0, "eval.budget", "must be >= 0")
-        _choice(self.adaptive_policy, ADAPTIVE_POLICIES, "eval.adaptive_policy")
-        _check(self.entropy_low < self.entropy_high, "eval.entropy_low", "must be below eval.entropy_high")
+        check(0 < self.delta <= 1, "eval.delta", "must be in (0, 1]")
+        check(self.budget >= 0, "eval.budget", "must be >= 0")
+        check_choice(self.adaptive_policy, ADAPTIVE_POLICIES, "eval.adaptive_policy")
+        check(self.entropy_low < self.entropy_high, "eval.entropy_low", "must be below eval.entropy_high")
 
     def check_inputs(self) -> None:
         """What only mtp-eval needs (the schema's defaults must construct without heads)."""
-        _check(all(m == "greedy" for m in self.modes) or self.heads is not None, "eval.heads",
-               f"modes {[m for m in self.modes if m != 'greedy']} need trained heads: "
-               "eval.heads=<an mtp-train run directory>")
-        _check(not {"clp", "clp+verify"} & set(self.modes) or self.clp is not None, "eval.clp",
-               "modes clp and clp+verify need a fitted predictor: eval.clp=<mtp-clp run>/clp")
-        _check("gate" not in self.modes or self.gate is not None, "eval.gate",
-               "mode gate needs the fitted gate baseline: eval.gate=<mtp-clp run>/gate")
+        drafting = [m for m in self.modes if MODES[m].drafts != "none"]
+        check(not drafting or self.train_run is not None, "eval.train_run",
+              f"modes {drafting} need trained heads: eval.train_run=<an mtp-train run directory>")
+        needing = [m for m in self.modes if MODES[m].predictor is not None]  # a span predictor each
+        check(not needing or self.clp_run is not None, "eval.clp_run",
+              f"mode(s) {', '.join(needing)} need fitted span predictors: eval.clp_run=<an mtp-clp run directory>")
 
 
 @dataclass
@@ -462,50 +443,9 @@ class Config:
     logger: dict[str, Any] | None = None  # name -> instantiable logger config
 
     def __post_init__(self) -> None:
-        _check_seed(self.seed, "seed")
+        check_seed(self.seed, "seed")
         w = self.loss.depth_weights
-        _check(w is None or len(w) == self.heads.k, "loss.depth_weights",
+        check(w is None or len(w) == self.heads.k, "loss.depth_weights",
                f"needs one weight per head (heads.k={self.heads.k}), got {None if w is None else len(w)}")
-        _check(self.heads.k < self.data.max_length - 1, "heads.k",
-               f"heads.k={self.heads.k} leaves no target inside data.max_length={self.data.max_length}")
-
-
-def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Keys of `node` that its dataclass schema does not have, as full dotted names with the valid
-    ones: Hydra's `+key=value` adds a key to a structured config, and OmegaConf would then set it
-    as a stray attribute that nothing reads. Free-form sections (trainer, logger) are not checked."""
-    schema = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(schema):
-        return []
-    names = {f.name for f in dataclasses.fields(schema)}
-    out = []
-    for key in node.keys():
-        if key not in names:
-            where = prefix.rstrip(".") or "the top level"
-            out.append(f"{prefix}{key}: not a config key (keys of {where}: {', '.join(sorted(names))})")
-            continue
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
-            out += unknown_keys(child, f"{prefix}{key}.")
-    return out
-
-
-def validate(cfg: DictConfig) -> Config:
-    """Refuse keys the schema lacks, resolve interpolations and run every `__post_init__` check;
-    returns the typed object."""
-    if stray := unknown_keys(cfg):
-        raise ConfigError(stray[0] + (f"; and {len(stray) - 1} more" if len(stray) > 1 else ""))
-    try:
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
-    except ConfigError:
-        raise
-    except OmegaConfBaseException as e:
-        cause = e.__cause__ or e.__context__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise ConfigError(str(e).splitlines()[0] + _key_suffix(e)) from None
-
-
-def _key_suffix(e: OmegaConfBaseException) -> str:
-    key = getattr(e, "full_key", None)
-    return f" (config key: {key})" if key else ""
+        crop = self.train.max_length or self.data.max_length  # what layout.max_length gives training
+        check_k_fits(self.heads.k, crop, f"rows are cropped to {crop} (train.max_length, else data.max_length)")

@@ -13,7 +13,7 @@ A training run (`mtp-train`, its Hydra run directory):
     checkpoints/last.ckpt              Lightning's (a directory of shards under DeepSpeed ZeRO)
     superseded/<recipe>/               what a changed recipe or force=true moved aside
 
-A CLP run (`mtp-clp`): acceptance_labels/, one folder per predictor kind (clp.safetensors + clp.json),
+A CLP run (`mtp-clp`): acceptance_labels/, one folder per predictor kind (predictor.safetensors + predictor.json),
 stage_times.json. An evaluation (`mtp-eval`): eval_report.json, outputs.json and its plots.
 The demo pipeline (`make demo`) puts them under one root as train/, clp/, eval/ and report.md.
 
@@ -61,7 +61,7 @@ CSV_LOGS = "csv"
 
 # --- a CLP run -----------------------------------------------------------------------------------
 LABELS = "acceptance_labels"  # CLP's acceptance labels (not the token masks a dataset calls labels)
-CLP_FILE, CLP_META = "clp.safetensors", "clp.json"
+PREDICTOR_FILE, PREDICTOR_META = "predictor.safetensors", "predictor.json"
 STAGE_TIMES = "stage_times.json"
 
 # --- an evaluation -------------------------------------------------------------------------------
@@ -108,10 +108,6 @@ def max_length(cfg) -> int:
 def last_checkpoint(run_dir: str | Path) -> Path:
     """Lightning's last checkpoint of a training run (a file, or a ZeRO shard directory)."""
     return Path(run_dir) / CHECKPOINTS / LAST_CKPT
-
-
-def hydra_config(run_dir: str | Path) -> Path:
-    return Path(run_dir) / HYDRA_DIR / "config.yaml"
 
 
 HYDRA_OVERRIDES = "overrides.yaml"

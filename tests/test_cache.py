@@ -10,13 +10,11 @@ import torch
 
 from data_prep import cache as cache_mod
 from data_prep.stages import run_prep
+from mtp_train.data.prepared import cache_location
 from mtp_train.layout import data_dirs
-from mtp_train.pipeline.prepared import cache_location
 
-FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-        "data.distill.max_train_prompts=24", "data.distill.max_val_prompts=8", "train.max_length=96",
-        "train.data_use=distilled"]
+FAST = ["debug=smoke", "data.distill.max_train_prompts=24", "data.distill.max_val_prompts=8",
+        "train.max_length=96"]
 
 
 @pytest.fixture
@@ -31,8 +29,9 @@ def cached(typed_cfg):
     return cfg, backbone, path
 
 
+@pytest.mark.integration
 def test_cache_holds_the_backbones_hidden_states(cached):
-    from mtp_train.lit.data import load_splits
+    from mtp_train.data.prepared import load_splits
 
     cfg, backbone, path = cached
     cache = cache_mod.HiddenCache(path)
@@ -59,9 +58,10 @@ def test_cache_holds_the_backbones_hidden_states(cached):
 
 @pytest.mark.parametrize("draft", [None, 40])
 @pytest.mark.parametrize("loss", ["ce", "kl", "tv", "e2e_tv"])
+@pytest.mark.integration
 def test_losses_from_the_cache_equal_the_live_ones(cached, loss, draft):
     from mtp_train.config import HeadsConfig, LossConfig
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
 
@@ -80,8 +80,9 @@ def test_losses_from_the_cache_equal_the_live_ones(cached, loss, draft):
     assert out["cache"] == pytest.approx(out["live"], rel=1e-2, abs=1e-4)
 
 
+@pytest.mark.integration
 def test_cache_is_keyed_and_used_only_for_matching_inputs(cached, typed_cfg, caplog):
-    from mtp_train.pipeline.prepared import open_cache
+    from mtp_train.data.prepared import open_cache
     from tests.helpers import run_train
 
     cfg, backbone, path = cached
@@ -94,15 +95,19 @@ def test_cache_is_keyed_and_used_only_for_matching_inputs(cached, typed_cfg, cap
     with caplog.at_level(logging.INFO):
         metrics = run_train(cfg)
     assert "training from the hidden-state cache" in caplog.text
-    assert 1.0 <= metrics["val/sim_tau"] <= 4.0
+    # the same run with the backbone live: the same training, up to the cache's rounding
+    live = run_train(typed_cfg(*FAST, "train.use_cache=false", f"paths.output_dir={cfg.paths.output_dir}-live"))
+    for key in ("val/loss", "val/alpha_d1", "val/alpha_d2"):
+        assert metrics[key] == pytest.approx(live[key], rel=1e-2, abs=1e-4), key
 
 
+@pytest.mark.integration
 def test_a_killed_cache_build_resumes_from_its_shards(typed_cfg, monkeypatch):
     cfg = typed_cfg(*FAST)
     for stage in ("data", "distill"):
         run_prep(dataclasses.replace(cfg, stage=stage))
     from mtp_train.backbone import load_backbone
-    from mtp_train.lit.data import load_splits
+    from mtp_train.data.prepared import load_splits
 
     backbone = load_backbone(cfg.backbone)
     key, path = cache_location(cfg, backbone)
@@ -139,12 +144,12 @@ def test_length_batches_group_similar_rows_within_the_token_budget():
     assert cache_mod.length_batches([600, 10], 512) == [[0], [1]]
 
 
+@pytest.mark.integration
 def test_distilled_states_are_reused_and_equal_a_fresh_forward(typed_cfg, tmp_path):
     """Distillation keeps the states generate computed; the cache copies them. Both must equal
     the cache's own forward over the same rows (computed here with `known=None`)."""
     from mtp_train.backbone import load_backbone
-    from mtp_train.lit.data import load_splits
-    from mtp_train.pipeline.prepared import cache_compute
+    from mtp_train.data.prepared import cache_compute, load_splits
 
     cfg = typed_cfg(*FAST)
     for stage in ("data", "distill"):
@@ -177,6 +182,7 @@ def test_distilled_states_are_reused_and_equal_a_fresh_forward(typed_cfg, tmp_pa
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_a_killed_data_stage_publishes_nothing_and_the_rerun_gives_the_same_rows(typed_cfg, monkeypatch):
     """Killed between writing and publishing, the data stage leaves no dataset (only its temporary,
     which the next run removes once its process is gone) and the rerun builds the same rows."""

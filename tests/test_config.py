@@ -11,12 +11,12 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from mtp_train.config import validate
-from mtp_train.entry import CONF_DIR
+from mtp_train.cli.common import CONF_DIR
+from mtp_train.config_rules import validate
 from mtp_train.errors import ConfigError
 
 EXPERIMENTS = sorted(p.stem for p in Path(CONF_DIR, "experiment").glob("*.yaml"))
-GROUP_OPTIONS = [(g, p.stem) for g in ("backbone", "heads", "loss", "data", "trainer", "logger")
+GROUP_OPTIONS = [(g, p.stem) for g in ("backbone", "heads", "loss", "data", "trainer", "logger", "debug")
                  for p in sorted(Path(CONF_DIR, g).glob("*.yaml"))]
 NEEDS = {("backbone", "hf"): ["backbone.name=my-llm", "backbone.path=/models/llm"],
          ("data", "jsonl"): ["data.path=/tmp/x.jsonl"], ("data", "disk"): ["data.path=/tmp/ds"]}
@@ -57,10 +57,13 @@ def _assert_applied(cfg, leaves: dict) -> None:
             f"{key}: the file sets {value!r}, the composed config has {got!r}"
 
 
-def test_the_demo_experiment_is_the_default_and_the_makefile_runs_it():
+def test_no_experiment_by_default_and_the_makefile_names_the_demo_in_every_command():
     assert "smollm2_demo" in EXPERIMENTS
-    assert "experiment: smollm2_demo" in Path(CONF_DIR, "config.yaml").read_text()
-    assert "experiment=smollm2_demo" in Path(CONF_DIR).parent.joinpath("Makefile").read_text()
+    assert "  - experiment: null\n" in Path(CONF_DIR, "config.yaml").read_text()
+    make = Path(CONF_DIR).parent.joinpath("Makefile").read_text()
+    demo = make[make.index("\ndemo:"):make.index("\ntest:")]
+    commands = [line for line in demo.splitlines() if "/bin/mtp-" in line and "mtp-report" not in line]
+    assert len(commands) == 5 and all("experiment=smollm2_demo" in c for c in commands), commands
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -75,17 +78,106 @@ def test_every_experiment_composes_and_its_values_win(compose_cfg, experiment, b
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_group_option_composes_with_its_values(compose_cfg, group, option):
-    """Without the default experiment's overlay, each value the option's file sets is composed."""
-    cfg = validate(compose_cfg("~experiment", f"{group}={option}", *NEEDS.get((group, option), [])))
+    """Each value the option's file sets is composed (no experiment overlay by default)."""
+    cfg = validate(compose_cfg(f"{group}={option}", *NEEDS.get((group, option), [])))
     if group not in ("trainer", "logger"):  # free-form sections: instantiated, not schema'd
         _assert_applied(cfg, _file_leaves(Path(CONF_DIR, group, f"{option}.yaml"), group))
 
 
-def test_default_is_the_demo_on_smollm2_and_sharegpt(typed_cfg):
+def test_the_default_is_the_schema_recipe_not_the_demo(typed_cfg):
+    """Your own model gets the schema's recipe; the demo's sizing (its draft vocabulary, steps and
+    data mix) comes only with experiment=smollm2_demo."""
     cfg = typed_cfg()
-    assert cfg.experiment_name == "smollm2_demo"
+    assert cfg.experiment_name == "default"
     assert (cfg.backbone.source, cfg.data.source) == ("gguf", "sharegpt")
     assert cfg.heads.type == "chained" and cfg.loss.name == "kl" and cfg.heads.init == "random"
+    assert cfg.heads.draft_vocab is None and cfg.loss.topk == 0 and cfg.train.data_use == "distilled"
+    assert cfg.trainer["max_steps"] == 300
+    user = typed_cfg("backbone=hf", "backbone.name=my-llm", "backbone.path=/models/llm")
+    assert user.heads.draft_vocab is None and user.train.max_length is None
+    demo = typed_cfg("experiment=smollm2_demo")
+    assert (demo.heads.draft_vocab, demo.train.data_use, demo.trainer["max_steps"]) == (8192, "mix", 250)
+
+
+def test_the_smoke_overlay_is_the_tiny_backbone_for_a_few_steps(typed_cfg):
+    cfg = typed_cfg("debug=smoke")
+    assert (cfg.backbone.source, cfg.data.source, cfg.logger) == ("tiny", "tiny", {})
+    assert cfg.trainer["max_steps"] == 4
+    assert typed_cfg("debug=smoke", "logger=csv").logger  # a command-line group choice still wins
+    demo = typed_cfg("experiment=smollm2_demo", "debug=smoke")  # the demo's recipe, tiny and short
+    assert (demo.backbone.source, demo.heads.draft_vocab, demo.trainer["max_steps"]) == ("tiny", 8192, 4)
+
+
+@pytest.mark.parametrize("override", ["loss.name=mse", "loss.depth_weights=[1.0]", "train.batch_size=0",
+                                      "train.lr_schedule=step", "heads.k=0", "heads.draft_vocab=1"])
+@pytest.mark.bad_input
+def test_train_refuses_a_bad_training_value_that_eval_and_clp_never_read(compose_cfg, override):
+    """mtp-eval and mtp-clp take the heads' settings from the trained run (heads.json) and train
+    nothing: a bad loss, train or heads value is theirs to ignore, and mtp-train's to refuse."""
+    raw = compose_cfg("backbone=tiny", override)
+    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}"):
+        validate(raw, command="train")
+    with pytest.raises(ConfigError):
+        validate(raw)  # no command: every key is judged
+    for command in ("eval", "clp"):
+        assert validate(raw, command=command).eval.modes == ["greedy", "verify"]
+
+
+@pytest.mark.bad_input
+def test_a_bad_trainer_value_stops_mtp_train_only(compose_cfg):
+    from mtp_train.distributed import check_trainer
+
+    typed = validate(compose_cfg("backbone=tiny", "trainer.max_steps=0"), command="eval")  # no Trainer there
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps: 0 trains nothing"):
+        check_trainer(typed.trainer, gpus=0, cpus=2)  # what mtp-train checks before it builds one
+
+
+@pytest.mark.parametrize("override,command", [("eval.rounds=0", "eval"), ("eval.rounds=0", "clp"),
+                                              ("clp.kinds=[]", "clp"), ("data.val_fraction=2", "eval"),
+                                              ("train.data_use=web", "clp"), ("train.data_use=web", "prep")])
+@pytest.mark.bad_input
+def test_each_command_refuses_a_bad_value_of_a_key_it_reads(compose_cfg, override, command):
+    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}"):
+        validate(compose_cfg("backbone=tiny", override), command=command)
+
+
+def test_mtp_train_judges_eval_keys_only_when_it_decodes_after_training(compose_cfg):
+    validate(compose_cfg("backbone=tiny", "eval.rounds=0"), command="train")
+    with pytest.raises(ConfigError, match=r"^eval.rounds"):
+        validate(compose_cfg("backbone=tiny", "eval.rounds=0", "train.eval_after=true"), command="train")
+
+
+@pytest.mark.bad_input
+def test_each_entry_point_validates_as_its_own_command(compose_cfg, monkeypatch, capsys):
+    """The entry wrapper names the command after the entry point's file (cli/eval.py: eval)."""
+    import mtp_train.cli.eval as cli_eval
+    import mtp_train.cli.train as cli_train
+    from mtp_train.config_rules import READS
+
+    for command in READS:
+        assert Path(CONF_DIR).parent.joinpath("mtp_train", "cli", f"{command}.py").is_file(), command
+    raw = compose_cfg("backbone=tiny", "loss.name=mse")
+    seen = []
+    monkeypatch.setattr(cli_eval, "run_eval", seen.append)
+    cli_eval.app(raw)  # Hydra's decorator passes a given config straight to the task
+    assert [typed.loss.name for typed in seen] == ["mse"]
+    monkeypatch.setattr(cli_train, "run_train", lambda typed: pytest.fail("trained on a bad loss.name"))
+    with pytest.raises(SystemExit) as exit_:
+        cli_train.app(raw)
+    assert exit_.value.code == 2 and "loss.name: unknown value 'mse'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k,crop,fits", [(3, 5, True), (3, 4, False), (1, 3, True), (1, 2, False)])
+def test_k_fits_rows_of_k_plus_2_tokens(k, crop, fits):
+    """Depth k at position t predicts token t + k + 1: the row needs positions t and t + k + 1."""
+    from mtp_train.config_rules import check_k_fits, min_row_tokens
+
+    assert min_row_tokens(k) == k + 2
+    if fits:
+        check_k_fits(k, crop, "rows of test")
+    else:
+        with pytest.raises(ConfigError, match=rf"^heads.k: {k} heads need rows of at least {k + 2} tokens"):
+            check_k_fits(k, crop, "rows of test")
 
 
 def test_tiny_backbone_brings_its_own_data(typed_cfg):
@@ -116,6 +208,7 @@ def test_tiny_backbone_brings_its_own_data(typed_cfg):
     ("train.batch_size=0", "train.batch_size"),
     ("train.data_use=web", "train.data_use"),
     ("data.max_length=3", "heads.k"),  # k=3 leaves no target in 3 tokens
+    ("train.max_length=4", "heads.k"),  # nor in rows cropped to 4
     ("heads.k=17", "heads.k"),  # the tree statistics would not fit
     ("clp.label_split=test", "clp.label_split"),
     ("eval.rounds=0", "eval.rounds"),
@@ -174,8 +267,9 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(compose_cfg, add
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_the_cli_refuses_an_added_unknown_key_in_one_line(tmp_path):
-    r = _run("data_prep.cli", "backbone=tiny", "+heads.foo=3", cwd=tmp_path)
+    r = _run("mtp_train.cli.prep", "backbone=tiny", "+heads.foo=3", cwd=tmp_path)
     assert r.returncode == 2 and "heads.foo: not a config key" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout and not (tmp_path / "data").exists()
 
@@ -186,26 +280,29 @@ def _run(*args, cwd):
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_cli_bad_value_is_one_clear_line(tmp_path):
-    r = _run("data_prep.cli", "backbone=tiny", "heads.k=0", cwd=tmp_path)
+    r = _run("mtp_train.cli.prep", "backbone=tiny", "data.max_length=0", cwd=tmp_path)
     assert r.returncode == 2
-    assert "heads.k: must be >= 1" in r.stderr
+    assert "data.max_length: must be > 0" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_cli_unknown_stage_names_the_key(tmp_path):
-    r = _run("data_prep.cli", "backbone=tiny", "stage=train", cwd=tmp_path)
+    r = _run("mtp_train.cli.prep", "backbone=tiny", "stage=train", cwd=tmp_path)
     assert r.returncode == 2
     assert "stage: mtp-prep has no stage 'train'" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
 
 
-@pytest.mark.parametrize("module", ["data_prep.cli", "mtp_train.cli.train", "mtp_train.cli.clp", "mtp_train.cli.eval"])
+@pytest.mark.parametrize("module", ["mtp_train.cli.prep", "mtp_train.cli.train", "mtp_train.cli.clp", "mtp_train.cli.eval"])
+@pytest.mark.integration
 def test_every_entry_point_composes_the_config(tmp_path, module):
     r = _run(module, "backbone=tiny", "--cfg", "job", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "tiny-llama" in r.stdout and "experiment_name: smollm2_demo" in r.stdout
+    assert "tiny-llama" in r.stdout and "experiment_name: default" in r.stdout
 
 
 def test_slurm_launcher_composes():
@@ -248,7 +345,7 @@ def test_a_cuda_device_without_cuda_is_refused_naming_the_key(monkeypatch):
 def test_sigterm_exits_143_with_a_line_saying_how_to_resume(compose_cfg, capsys):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from mtp_train.entry import entry
+    from mtp_train.cli.common import entry
 
     def task(cfg, typed):
         raise SIGTERMException  # what Lightning raises when the process gets SIGTERM
@@ -263,7 +360,7 @@ def test_sigterm_exits_143_with_a_line_saying_how_to_resume(compose_cfg, capsys)
 def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
     import errno
 
-    from mtp_train.entry import entry
+    from mtp_train.cli.common import entry
 
     def task(cfg, typed):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/run/heads.safetensors.tmp")
@@ -273,12 +370,3 @@ def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: /data/run/heads.safetensors.tmp: No space left on device")
-
-
-@pytest.mark.bad_input
-@pytest.mark.parametrize("old,new", [("clp.taus=[0.9]", "clp.thresholds"), ("eval.span_tau=0.5", "eval.span_threshold")])
-def test_the_clp_threshold_keys_renamed_from_tau_are_refused_naming_the_new_one(compose_cfg, old, new):
-    """tau is the mean accepted length; the CLP probability threshold has its own name now."""
-    with pytest.raises(ConfigError, match=rf"{old.split('=')[0]}: renamed to {new}"):
-        validate(compose_cfg(old))
-    validate(compose_cfg(f"{new}={old.split('=')[1]}"))  # the new key takes the same value

@@ -2,7 +2,7 @@
 
 import torch
 
-from mtp_train.targets import IGNORE, depth_targets, shift_for_depths, teacher_for_depths
+from mtp_train.depth_targets import IGNORE, depth_targets, shift_for_depths, teacher_for_depths
 
 
 def test_depth_targets_match_a_loop_reference():

@@ -15,6 +15,7 @@ def _mode(speed, tau, rep=0.2, nll=0.6, same=True):
             "identical_to_greedy": same}
 
 
+@pytest.mark.integration
 def test_report_training_curves_from_the_csv_logger(tmp_path):
     from mtp_train.report import training_curves, write_report
 
@@ -62,15 +63,17 @@ def test_report_targets_never_met_by_a_flagged_mode_or_an_uncalibrated_predictor
               "flags": ["verify: speedup 3.00x exceeds what tau 2.00 allows (<= 2.30x); the machine was probably loaded"]}
     rows = target_rows(loaded, None)
     assert [met for *_, met in rows] == [False, False, True] and "flagged" in rows[0][2]
-    loaded.pop("flags")  # a report without flags: the bound is recomputed
+    loaded.pop("flags")  # not flagged, but above the bound mtp-eval recorded for the mode
+    loaded["details"] = {"verify": {"plausible_max_speedup": 2.3}}
     assert [met for *_, met in target_rows(loaded, None)] == [False, False, True]
-    fast_clp = {"modes": {**good["modes"], "clp": _mode(4.33, 1.5, 0.2, 0.6)}}
+    fast_clp = {"modes": {**good["modes"], "clp": _mode(4.33, 1.5, 0.2, 0.6)},
+                "details": {"clp": {"plausible_max_speedup": 1.725}}}
     assert target_rows(fast_clp, None)[2][3] is False
     # clp whose predictor is not calibrated, or that commits nothing beyond greedy: never met
     uncal = {**good, "predictors": {"clp": {"parameters": 195, "threshold": 1.0, "calibrated": False}}}
     rows = target_rows(uncal, None)
     assert rows[2][2] == "not calibrated (accepts nothing)" and rows[2][3] is False
-    meta_says = target_rows(good, None, predictors={"clp": {"calibrated": False}})  # clp.json
+    meta_says = target_rows(good, None, predictors={"clp": {"calibrated": False}})  # predictor.json
     assert meta_says[2][2] == "not calibrated (accepts nothing)" and meta_says[2][3] is False
     assert target_rows(good, None, predictors={"clp": {"calibrated": True}})[2][3] is True
     idle = {"modes": {**good["modes"], "clp": _mode(1.45, 1.005)},
@@ -89,7 +92,7 @@ def _flagged_run(tmp_path) -> dict:
     modes = {"hf_generate": _mode(1.0, 1.0), "greedy": _mode(1.0, 1.0), "verify": _mode(1.21, 1.9),
              "clp": _mode(4.33, 1.5)}
     for m in modes.values():
-        m.update(tokens_per_s=10.0, alpha=[0.5], greedy_match_rate=1.0, n_prompts=2, new_tokens=20)
+        m.update(tokens_per_s=10.0, acceptance=[0.5], greedy_match_rate=1.0, n_prompts=2, new_tokens=20)
     flag = "clp: speedup 4.33x exceeds what tau 1.50 allows (<= 1.73x); the machine was probably loaded"
     report = {"modes": modes, "k": 1, "step_cost": 1.05, "sim_tau": None, "rounds": 3, "flags": [flag],
               "prompt_source": "unseen", "max_new_tokens": 10, "elapsed_s": 5.0,
@@ -101,6 +104,7 @@ def _flagged_run(tmp_path) -> dict:
     return report
 
 
+@pytest.mark.integration
 def test_report_page_shows_spread_and_flags_and_summary_says_not_met(tmp_path):
     from mtp_train.report import summary, write_report
 
@@ -120,15 +124,16 @@ def test_report_page_shows_spread_and_flags_and_summary_says_not_met(tmp_path):
     assert f"not identical to greedy: {report['divergence'][0]}" in summary(tmp_path)
 
 
+@pytest.mark.integration
 def test_report_never_meets_clp_with_an_uncalibrated_predictor_beside_it(tmp_path):
     from mtp_train.report import summary, write_report
 
     report = _flagged_run(tmp_path)
-    # an uncalibrated clp.json next to the report: "not calibrated (accepts nothing)", never met
+    # an uncalibrated predictor.json next to the report: "not calibrated (accepts nothing)", never met
     (tmp_path / "clp" / "clp").mkdir(parents=True)
-    (tmp_path / "clp" / "clp" / "clp.json").write_text(json.dumps({"threshold": 1.0, "calibrated": False}))
+    (tmp_path / "clp" / "clp" / "predictor.json").write_text(json.dumps({"threshold": 1.0, "calibrated": False}))
     report["predictors"] = {}
-    report["flags"], report["modes"]["clp"] = [], _mode(1.5, 1.3) | {"tokens_per_s": 1.0, "alpha": [0.2],
+    report["flags"], report["modes"]["clp"] = [], _mode(1.5, 1.3) | {"tokens_per_s": 1.0, "acceptance": [0.2],
                                                                       "greedy_match_rate": 0.5}
     report["details"]["clp"]["plausible_max_speedup"] = 1.5
     (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_train.targets import teacher_for_depths
+from mtp_train.depth_targets import teacher_for_depths
 from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
 
 

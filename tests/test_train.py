@@ -14,24 +14,44 @@ from safetensors.torch import load_file
 from mtp_train.errors import MtpError
 from tests.helpers import prep_cli, run_train, train_killed_at, wandb_offline_runs
 
-FAST = ["backbone=tiny", "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=2",
-        "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false", "data.distill.max_train_prompts=16",
-        "data.distill.max_val_prompts=4"]
+FAST = ["debug=smoke"]  # conf/debug/smoke.yaml: the tiny backbone, four steps, no logger
 
 
 @pytest.mark.parametrize("adamtp", [False, True])
 @pytest.mark.parametrize("loss", ["ce", "kl", "tv", "e2e_tv"])
 @pytest.mark.parametrize("heads", ["medusa", "chained"])
+@pytest.mark.integration
 def test_fast_dev_run_every_combination(typed_cfg, heads, loss, adamtp):
     cfg = typed_cfg(*FAST, f"heads={heads}", "heads.k=2", f"loss={loss}", f"loss.adamtp={adamtp}",
                     "trainer.fast_dev_run=true")
     metrics = run_train(cfg)
-    assert 1.0 <= metrics["val/sim_tau"] <= 3.0
-    assert all(f"val/agree_d{j}" in metrics for j in (1, 2))
+    assert {"val/sim_tau", "val/agree_d1", "val/agree_d2"} <= set(metrics)  # one step: finite, not learnt
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
+# CE on the labelled rows: the patterned Q&A of the tiny source, which heads can learn in a few steps
+LEARN = ["heads.k=2", "loss=ce", "train.data_use=labelled"]
+
+
+@pytest.mark.parametrize("heads", ["medusa", "chained", "eagle3"])
+@pytest.mark.integration
+def test_heads_of_every_family_beat_untrained_heads_on_the_patterned_data(typed_cfg, tmp_path, heads):
+    """After 16 steps the heads' validation loss is lower and their mean accuracy per depth higher
+    than those of the untrained heads, measured by the same validation: a run whose learning rate
+    is too small to move them (train.lr must be > 0). The random backbone's next-token distribution
+    is nearly flat, so agreement with its own tokens (val/sim_tau) says little here."""
+
+    def validation(name, lr, steps):
+        m = run_train(typed_cfg(*FAST, f"heads={heads}", *LEARN, f"train.lr={lr}", f"trainer.max_steps={steps}",
+                                f"trainer.val_check_interval={steps}", f"paths.output_dir={tmp_path}/{name}"))
+        return m["val/loss"], (m["val/acc_d1"] + m["val/acc_d2"]) / 2
+
+    untrained, trained = validation("untrained", 1e-12, 1), validation("trained", 3e-2, 16)
+    assert trained[0] < 0.98 * untrained[0], (untrained, trained)
+    assert trained[1] > untrained[1], (untrained, trained)
+
+
+@pytest.mark.integration
 def test_training_changes_only_the_heads_and_saves_only_them(typed_cfg, tmp_path, monkeypatch):
     import mtp_train.backbone as backbone_mod
 
@@ -62,6 +82,7 @@ def test_training_changes_only_the_heads_and_saves_only_them(typed_cfg, tmp_path
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_non_finite_loss_names_the_step_and_stops(typed_cfg, monkeypatch):
     from mtp_train.heads.medusa import MedusaHeads
 
@@ -72,6 +93,7 @@ def test_non_finite_loss_names_the_step_and_stops(typed_cfg, monkeypatch):
         run_train(cfg)
 
 
+@pytest.mark.integration
 def test_local_sweep_writes_one_run_per_point(tmp_path):
     prep_cli(*FAST, cwd=tmp_path)
     r = subprocess.run([sys.executable, "-m", "mtp_train.cli.train", "-m", "loss=ce,e2e_tv", "heads.k=1,2",
@@ -82,10 +104,11 @@ def test_local_sweep_writes_one_run_per_point(tmp_path):
     assert len(runs) == 4, runs
 
 
+@pytest.mark.integration
 def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = typed_cfg(*[o for o in FAST if o != "logger=none"], "logger=wandb", "heads.k=2")
+    cfg = typed_cfg(*FAST, "logger=wandb", "heads.k=2")
     run_train(cfg)
     runs = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
@@ -106,6 +129,7 @@ def test_wandb_runs_offline_without_a_key_and_records_the_metrics(typed_cfg, tmp
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg, tmp_path, monkeypatch):
     import lightning as L
 
@@ -132,6 +156,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_step_and_weights(typed_cfg,
 @pytest.mark.parametrize("change,key", [("heads.k=3", "k"), ("heads=medusa", "head_type"),
                                         ("backbone.tiny.hidden_size=32", "hidden_size")])
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_resuming_a_run_dir_without_a_recipe_with_other_heads_or_backbone_is_refused(typed_cfg, tmp_path,
                                                                                       change, key):
     from mtp_train.errors import ConfigError
@@ -160,6 +185,7 @@ def _count_fits(monkeypatch) -> list:
     return steps
 
 
+@pytest.mark.integration
 def test_a_finished_run_is_skipped_a_longer_one_resumes_and_force_retrains(typed_cfg, tmp_path, monkeypatch):
     from mtp_train.layout import SUPERSEDED
 
@@ -178,6 +204,7 @@ def test_a_finished_run_is_skipped_a_longer_one_resumes_and_force_retrains(typed
     assert list((tmp_path / "out" / SUPERSEDED).glob("*/heads.safetensors"))
 
 
+@pytest.mark.integration
 def test_a_changed_recipe_trains_afresh_and_keeps_the_old_run(typed_cfg, tmp_path, monkeypatch):
     from mtp_train.layout import SUPERSEDED
 
@@ -194,9 +221,10 @@ def test_a_changed_recipe_trains_afresh_and_keeps_the_old_run(typed_cfg, tmp_pat
     assert fits[-1] == (0, 4)
 
 
+@pytest.mark.integration
 def test_a_draft_vocabulary_is_chosen_from_the_data_and_saved_with_the_heads(typed_cfg, tmp_path):
     cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=kl", "heads.draft_vocab=48")
-    metrics = run_train(cfg)
+    run_train(cfg)
     saved = load_file(str(tmp_path / "out" / "heads.safetensors"))
     meta = json.loads((tmp_path / "out" / "heads.json").read_text())
     draft = saved["draft_ids"]
@@ -205,12 +233,12 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_and_saved_with_the_heads(typ
     from mtp_train.backbone import build_tiny_tokenizer
 
     assert build_tiny_tokenizer().eos_token_id in draft.tolist()  # the end of turn stays draftable
-    assert 1.0 <= metrics["val/sim_tau"] <= 3.0
     run_train(typed_cfg(*FAST, "heads=chained", "heads.k=2", "heads.draft_vocab=100000",
                         f"paths.output_dir={tmp_path}/cap"))
     assert "draft_ids" not in load_file(str(tmp_path / "cap" / "heads.safetensors"))  # a cap: all 259
 
 
+@pytest.mark.integration
 def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
     cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "loss=e2e_tv", "heads.draft_vocab=64",
                     "trainer.precision=bf16-mixed", "trainer.fast_dev_run=true")
@@ -218,9 +246,11 @@ def test_bf16_autocast_trains_with_a_draft_vocabulary(typed_cfg):
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
+@pytest.mark.integration
 def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg, tmp_path):
+    from mtp_train.data.prepared import load_splits
     from mtp_train.layout import data_dirs
-    from mtp_train.lit.data import first_fraction, load_splits
+    from mtp_train.lit.data import first_fraction
 
     run_train(typed_cfg(*FAST, "heads=medusa", "heads.k=1", f"paths.output_dir={tmp_path}/all"))
     cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=1", "train.data_fraction=0.25",
@@ -236,9 +266,11 @@ def test_data_fraction_trains_on_the_first_rows_and_records_the_tokens(typed_cfg
     assert quarter["train_tokens"] == sum(min(len(rows[i]), crop) for i in keep) < full["train_tokens"]
 
 
+@pytest.mark.integration
 def test_a_data_fraction_of_mixed_data_takes_each_source_alike(typed_cfg, tmp_path):
+    from mtp_train.data.prepared import load_splits
     from mtp_train.layout import data_dirs
-    from mtp_train.lit.data import first_fraction, load_splits
+    from mtp_train.lit.data import first_fraction
 
     assert first_fraction([8, 4], 0.25) == [0, 1, 8]
     assert first_fraction([8, 0, 3], 0.1) == [0, 8]  # at least one row of a non-empty part
@@ -251,6 +283,7 @@ def test_a_data_fraction_of_mixed_data_takes_each_source_alike(typed_cfg, tmp_pa
     assert len(sizes) == 2 and half["train_rows"] == sum(round(0.5 * s["train"]) for s in sizes)
 
 
+@pytest.mark.integration
 def test_loss_schedule_switches_the_loss_part_way(typed_cfg):
     from types import SimpleNamespace
 
@@ -269,12 +302,12 @@ def test_loss_schedule_switches_the_loss_part_way(typed_cfg):
     # end to end: the switch and the top-K term train and log
     metrics = run_train(typed_cfg(*FAST, "loss=kl", "loss.schedule.then=e2e_tv", "loss.schedule.at=0.5",
                                   "loss.topk=4"))
-    assert 1.0 <= metrics["val/sim_tau"] <= 4.0 and "val/loss_topk" in metrics
+    assert "val/loss_topk" in metrics and "val/sim_tau" in metrics
 
 
 def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(typed_cfg):
     from mtp_train.backbone import load_backbone
-    from mtp_train.heads import build_heads
+    from mtp_train.heads.persist import build_heads
     from mtp_train.lit.module import MTPHeadsModule, lr_scheduler
 
     cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "train.weight_decay=0.5")
@@ -318,6 +351,7 @@ def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(t
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
     from mtp_train.errors import ConfigError
     from mtp_train.layout import data_dirs
@@ -337,6 +371,7 @@ def test_heads_deeper_than_every_row_are_refused_naming_heads_k(typed_cfg):
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_a_checkpoint_cut_off_while_saving_is_refused_with_the_way_out(typed_cfg, tmp_path):
     base = [*FAST, "heads=medusa", "heads.k=2", "loss=kl"]
     run_train(typed_cfg(*base))
@@ -346,9 +381,11 @@ def test_a_checkpoint_cut_off_while_saving_is_refused_with_the_way_out(typed_cfg
                                        r"saved. Rerun with force=true to train afresh"):
         run_train(typed_cfg(*base, "trainer.max_steps=6"))
     metrics = run_train(typed_cfg(*base, "trainer.max_steps=6", "force=true"))
-    assert metrics["val/sim_tau"] >= 1.0
+    assert "val/sim_tau" in metrics  # trained afresh, to the end, into a readable checkpoint:
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 6
 
 
+@pytest.mark.integration
 def test_a_checkpoint_holding_code_is_refused_on_resume_and_never_runs(typed_cfg, tmp_path, planted):
     base = [*FAST, "heads=medusa", "heads.k=2", "loss=kl"]
     run_train(typed_cfg(*base))
@@ -361,6 +398,7 @@ def test_a_checkpoint_holding_code_is_refused_on_resume_and_never_runs(typed_cfg
     assert not marker.exists()
 
 
+@pytest.mark.integration
 def test_export_reads_the_recipe_mtp_train_wrote_under_its_lock(typed_cfg, tmp_path):
     """Hydra's .hydra/config.yaml can be written over by a command refused on the same directory;
     the run's own run_config.yaml cannot."""
@@ -375,6 +413,7 @@ def test_export_reads_the_recipe_mtp_train_wrote_under_its_lock(typed_cfg, tmp_p
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_export_refuses_a_deeper_checkpoint_and_drops_another_runs_figures(typed_cfg, tmp_path):
     """A k=4 checkpoint exported into a k=3 run is refused (it used to keep depths 1-3 silently); a
     checkpoint from elsewhere keeps none of the run's own validation figures or tree statistics."""
@@ -397,6 +436,7 @@ def test_export_refuses_a_deeper_checkpoint_and_drops_another_runs_figures(typed
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_resuming_past_a_shorter_max_steps_is_refused(typed_cfg, tmp_path):
     run_train(typed_cfg(*FAST, "trainer.max_steps=6", "trainer.val_check_interval=3"))
     (tmp_path / "out" / "heads.json").unlink()  # so the run is resumed, not skipped as finished
@@ -406,6 +446,7 @@ def test_resuming_past_a_shorter_max_steps_is_refused(typed_cfg, tmp_path):
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_training_refuses_data_prepared_from_another_source(typed_cfg, tmp_path):
     from data_prep.stages import run_prep
     from mtp_train.errors import DataError
@@ -426,6 +467,7 @@ def test_training_refuses_data_prepared_from_another_source(typed_cfg, tmp_path)
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_prompt_only_rows_are_refused_instead_of_training_nothing(typed_cfg, tmp_path):
     from data_prep.stages import run_prep
     from mtp_train.errors import DataError
@@ -439,22 +481,17 @@ def test_prompt_only_rows_are_refused_instead_of_training_nothing(typed_cfg, tmp
     assert not (tmp_path / "out" / "heads.safetensors").exists()
 
 
-def test_a_key_added_later_at_its_default_keeps_older_runs_recipe(typed_cfg):
-    """heads.share arrived after runs were trained: at its default the recipe hashes as it did
-    before the key existed (those runs are not trained again); set, it is another recipe."""
-    from omegaconf import OmegaConf
+def test_every_heads_key_is_part_of_the_recipe(typed_cfg):
+    """A changed heads setting is another recipe: the run trains afresh instead of resuming."""
+    from mtp_train.pipeline.rundir import recipe_keys
 
-    from mtp_train.pipeline.training import recipe_keys
-
-    cfg = typed_cfg(*FAST)
-    heads = OmegaConf.to_container(OmegaConf.structured(cfg.heads))
-    assert heads.pop("share") is False
-    before = dataclasses.replace(cfg, heads=OmegaConf.create(heads))  # the heads section without the key
-    assert recipe_keys(cfg)[0] == recipe_keys(before)[0]
-    assert recipe_keys(typed_cfg(*FAST, "heads.share=true"))[0] != recipe_keys(before)[0]
+    base = recipe_keys(typed_cfg(*FAST))[0]
+    for change in ("heads.share=true", "heads.num_layers=2", "train.length_window=0"):
+        assert recipe_keys(typed_cfg(*FAST, change))[0] != base, change
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_export_killed_while_writing_keeps_the_previous_heads_and_the_rerun_writes_them(typed_cfg, tmp_path,
                                                                                         monkeypatch):
     import safetensors.torch as st

@@ -10,29 +10,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from mtp_train.errors import ConfigError, DataError
-from mtp_train.layout import MANIFEST
-from mtp_train.targets import IGNORE
-
-COLUMNS = ["input_ids", "labels"]
-
-
-def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
-    """Concatenate the train and validation splits of the prepared datasets in `dirs`; `sizes`, when
-    given, receives each dataset's {split: rows} in order."""
-    from datasets import concatenate_datasets, load_from_disk
-
-    parts = {"train": [], "validation": []}
-    for d in dirs:
-        if not (Path(d) / MANIFEST).is_file():
-            raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` with the same "
-                            "backbone= and data= first")
-        ds = load_from_disk(str(d))
-        for s in parts:
-            parts[s].append(ds[s].select_columns(COLUMNS))
-        if sizes is not None:
-            sizes.append({s: len(ds[s]) for s in parts})
-    return {s: concatenate_datasets(p) for s, p in parts.items()}
+from mtp_train.config_rules import check_k_fits
+from mtp_train.data.prepared import load_splits
+from mtp_train.depth_targets import IGNORE
+from mtp_train.errors import DataError
 
 
 def first_fraction(sizes: list[int], fraction: float) -> list[int]:
@@ -201,10 +182,8 @@ class MTPDataModule(L.LightningDataModule):
                 for split, rows in (("training", [ids[i] for i in keep]),
                                     ("validation", splits["validation"]["input_ids"])):
                     longest = max((min(len(r), self.max_length) for r in rows), default=0)
-                    if longest < self.k + 2:  # depth k at position t predicts token t + k + 1
-                        raise ConfigError(
-                            f"heads.k: {self.k} heads need rows of at least {self.k + 2} tokens; the longest "
-                            f"{split} row has {longest} (rows cropped to {self.max_length}); lower heads.k")
+                    check_k_fits(self.k, longest,
+                                 f"the longest {split} row has {longest} (rows cropped to {self.max_length})")
             for split, rows, idx in (("training", splits["train"], keep),
                                      ("validation", splits["validation"], range(len(splits["validation"])))):
                 # row by row, stopping at the first answer token (not the whole labels column)

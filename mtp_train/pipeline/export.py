@@ -41,30 +41,32 @@ def checkpoint_state(path: Path) -> dict:
 
 def recipe_file(run_dir: Path) -> Path:
     """Where a run's config is: <run>/run_config.yaml, which mtp-train writes under the run
-    directory's lock (runs from before it: Hydra's <run>/.hydra/config.yaml, which a command refused
-    on the same directory may have written over)."""
+    directory's lock (not Hydra's <run>/.hydra/config.yaml, which a command refused on the same
+    directory may have written over)."""
     from mtp_train.layout import RUN_CONFIG
 
-    own = Path(run_dir) / RUN_CONFIG
-    return own if own.is_file() else layout.hydra_config(run_dir)
+    return Path(run_dir) / RUN_CONFIG
 
 
 def load_recipe(run_dir: Path):
     """The typed config a run was started with (`recipe_file`)."""
     from omegaconf import OmegaConf
 
-    from mtp_train.config import Config, validate
+    from mtp_train.config import Config
+    from mtp_train.config_rules import validate
 
     recipe = recipe_file(run_dir)
     if not recipe.is_file():
         raise MtpError(f"{recipe}: missing; export needs the config the run was started with")
     raw = OmegaConf.load(recipe)
     raw.paths.output_dir = str(run_dir)  # saved as ${hydra:...}, which resolves only inside Hydra
+    for section in ("eval", "clp"):  # other commands' settings: no part of the recipe export reads
+        raw.pop(section, None)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
     except Exception as e:
         raise MtpError(f"{recipe}: not a config of this version of mtp-train ({e})") from e
-    return validate(merged)
+    return validate(merged, command="train")  # the recipe as mtp-train judged it
 
 
 def export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
@@ -81,7 +83,7 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
 
     from mtp_train.backbone import load_backbone
     from mtp_train.distributed import heads_from_module_state
-    from mtp_train.heads import build_heads, heads_state_dict
+    from mtp_train.heads.persist import build_heads, heads_state_dict
     from mtp_train.pipeline.training import save_heads
 
     run_dir = Path(run_dir)

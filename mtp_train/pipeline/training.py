@@ -10,14 +10,14 @@ import platform
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import OmegaConf
 
 from mtp_train import layout
 from mtp_train.config import Config
-from mtp_train.errors import ConfigError, MtpError
+from mtp_train.data.prepared import open_cache
+from mtp_train.instantiate import instantiate
 from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
-from mtp_train.pipeline.prepared import open_cache
+from mtp_train.pipeline.rundir import check_resume, open_run_dir, resume_loads_weights_only
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ def draft_vocab_for(cfg: Config, backbone):
     n = cfg.heads.draft_vocab
     if n is None or n >= backbone.vocab_size:
         return None
+    from mtp_train.data.prepared import load_splits
     from mtp_train.heads.vocab import label_token_counts, select_draft_vocab
-    from mtp_train.lit.data import load_splits
 
     counts = label_token_counts(load_splits(data_dirs(cfg))["train"], backbone.vocab_size)
     special = tuple(t for t in (backbone.tokenizer.eos_token_id, backbone.tokenizer.pad_token_id)
@@ -59,132 +59,8 @@ def make_loggers(cfg) -> list:
             lcfg = {**lcfg, **ident.wandb_kwargs(), **own}
         elif name == "csv" and ident.group:  # csv/<point>/version_<n>: a requeued point adds a version
             lcfg["name"] = f"{lcfg.get('name') or layout.CSV_LOGS}/{ident.name}"
-        loggers.append(hydra.utils.instantiate(lcfg))
+        loggers.append(instantiate(lcfg))
     return loggers
-
-
-
-
-# keys added to a section after runs were trained without them: hashed only away from these defaults,
-# so a run directory from before keeps its recipe (and is not trained again)
-LATER_KEYS = {"heads": {"share": False, "aux_layers": None, "norm_before_residual": False},
-              "train": {"length_window": 0}}
-
-
-def recipe_keys(cfg: Config) -> tuple[str, str]:
-    """(recipe, finished) hashes of a training run, computed without loading anything.
-
-    The recipe is what the checkpoints depend on: backbone weights, prepared data (their manifests'
-    hashes), row length, heads, loss, optimiser and seed; a run directory whose checkpoints were made
-    for another recipe starts over. `finished` adds the run's length and precision: heads written
-    under the same `finished` hash are up to date and the run is skipped (force=true trains again).
-    Changing only trainer.max_steps keeps the recipe, so a longer run resumes from last.ckpt."""
-    from mtp_train.artifacts import config_hash, read_manifest
-    from mtp_train.backbone import backbone_identity
-
-    structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
-    train = {k: v for k, v in structured(cfg.train).items()
-             if k not in ("num_workers", "use_cache", "eval_after") and LATER_KEYS["train"].get(k, ...) != v}
-    heads = {k: v for k, v in structured(cfg.heads).items() if LATER_KEYS["heads"].get(k, ...) != v}
-    data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
-    lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
-    recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
-                          "max_length": layout.max_length(cfg),
-                          "heads": heads, "loss": structured(cfg.loss), "train": train,
-                          "seed": cfg.seed})
-    t = cfg.trainer
-    finished = config_hash({"recipe": recipe, "max_steps": t.get("max_steps"),
-                            "max_epochs": t.get("max_epochs"), "precision": str(t.get("precision"))})
-    return recipe, finished
-
-
-def finished_run(run_dir: Path, finished: str) -> dict | None:
-    """The metrics of heads this run directory already holds for exactly this recipe and length."""
-    from mtp_train.artifacts import read_json
-
-    meta = read_json(run_dir / HEADS_META)
-    if meta and (meta.get("recipe") or {}).get("finished") == finished and (run_dir / HEADS_FILE).is_file():
-        return meta
-    return None
-
-
-def supersede(run_dir: Path, old_recipe: str) -> Path:
-    """Move what a run directory holds for another recipe (checkpoints, heads, logs) to
-    <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing."""
-    dest = run_dir / layout.SUPERSEDED / old_recipe
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in (layout.CHECKPOINTS, HEADS_FILE, HEADS_META, layout.ADAPTER_DIR, TREE_STATS, layout.RUN_META,
-                 layout.CSV_LOGS):
-        src = run_dir / name
-        if src.exists():
-            target = dest / name
-            if target.exists():  # superseded twice by the same recipe: keep the newer copy
-                import shutil
-
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            os.replace(src, target)
-    return dest
-
-
-def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool,
-                         write: bool = True, recipe: str | None = None) -> None:
-    """A run directory remembers what its checkpoints were made for; resuming with other heads or
-    another backbone is refused before Lightning tries (and fails deep inside) to load them."""
-    from mtp_train.artifacts import read_json, write_json_atomic
-
-    meta = {"backbone": backbone.name, "hidden_size": backbone.hidden_size,
-            "vocab_size": backbone.vocab_size, "head_type": cfg.heads.type, "k": cfg.heads.k,
-            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}, "recipe": recipe}
-    old = read_json(run_dir / layout.RUN_META)
-    if resuming and old is not None:
-        for key in ("backbone", "hidden_size", "vocab_size", "head_type", "k", "heads"):
-            if old.get(key) != meta[key]:
-                shown = "parameter shapes" if key == "heads" else f"{old.get(key)!r} -> {meta[key]!r}"
-                raise ConfigError(
-                    f"{run_dir / layout.CHECKPOINTS} was made with another {key} ({shown}); use a new "
-                    "hydra.run.dir, or the same backbone= and heads= settings to resume")
-    if write:
-        write_json_atomic(run_dir / layout.RUN_META, meta)
-
-
-@contextlib.contextmanager
-def resume_loads_weights_only(last: Path | None):
-    """Resuming never unpickles code: Lightning is asked for a weights-only load of a checkpoint
-    file (where its version has the switch), and a ZeRO directory is read with every torch.load
-    forced weights-only, DeepSpeed's own record types allowed (`distributed.weights_only_loads`)."""
-    import inspect
-
-    import lightning as L
-
-    extra = {"weights_only": True} if "weights_only" in inspect.signature(L.Trainer.fit).parameters else {}
-    if last is None or not last.is_dir():
-        yield extra
-        return
-    from mtp_train.distributed import weights_only_loads, zero_file_types
-
-    with weights_only_loads(zero_file_types()):
-        yield extra
-
-
-def check_readable(last: Path, run_dir: Path) -> int | None:
-    """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
-    Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed. Returns the
-    checkpoint's global step (None for a ZeRO directory)."""
-    from mtp_train.distributed import CheckpointRefused, CheckpointUnreadable, load_weights_only
-
-    if not last.is_file():
-        return None
-    try:
-        ckpt = load_weights_only(last, mmap=True)
-    except CheckpointRefused as e:  # intact, but holds objects a weights-only load refuses
-        raise MtpError(f"{last}: refusing to resume from it: it holds more than tensors and plain values, "
-                       f"and loading it could run code (it names {e.name}); force=true trains afresh") from None
-    except CheckpointUnreadable as e:
-        raise MtpError(f"{last}: cannot be read ({e.detail}); it was probably cut off while being saved. "
-                       f"Rerun with force=true to train afresh (what {run_dir} holds now moves to "
-                       f"{run_dir / layout.SUPERSEDED})") from None
-    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
-    return int(step) if isinstance(step, int) else None
 
 
 def close_loggers(loggers: list) -> None:
@@ -228,7 +104,7 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
     from safetensors.torch import save_file
 
     from mtp_train.artifacts import check_finite, write_json_atomic
-    from mtp_train.heads import heads_state_dict
+    from mtp_train.heads.persist import heads_state_dict
 
     state = heads_state_dict(heads)
     check_finite(state, f"{run_dir / HEADS_FILE}: not written, training diverged (lower train.lr or "
@@ -288,7 +164,6 @@ def gathered(module, trainer):
     """A context in which every rank holds the full parameters of what trains (heads, and adapters
     with backbone.lora): under ZeRO stage 3 they are partitioned across ranks and must be gathered
     (by all ranks together) before saving."""
-    import contextlib
 
     from mtp_train.distributed import zero_config
 
@@ -322,48 +197,31 @@ def _run_train(cfg: Config) -> dict:
 
     from mtp_train.backbone import load_backbone
     from mtp_train.distributed import check_trainer
-    from mtp_train.entry import in_multirun
-    from mtp_train.heads import build_heads, count_parameters
+    from mtp_train.heads.persist import build_heads, count_parameters
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
-    from mtp_train.runlock import is_rank_zero
+    from mtp_train.tracking import sweep_point
 
-    check_trainer(cfg.trainer, multirun=in_multirun())
+    check_trainer(cfg.trainer, multirun=sweep_point() is not None)
     _pin_local_gpu()
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    recipe, finished = recipe_keys(cfg)
-    done = None if cfg.force else finished_run(run_dir, finished)
-    if done is not None and (run_dir / TREE_STATS).is_file():
-        log.info("%s already holds heads trained with this recipe and length; skipping "
-                 "(force=true trains again)", run_dir)
-        return done["metrics"]
-    if done is not None:
-        log.info("%s holds heads trained with this recipe but no %s (heads from before token trees): "
-                 "validating once to record them", run_dir, TREE_STATS)
-    from mtp_train.artifacts import read_json
-
-    old_recipe = (read_json(run_dir / layout.RUN_META) or {}).get("recipe")
-    if done is None and (cfg.force or (old_recipe and old_recipe != recipe)) and any(
-            (run_dir / n).exists() for n in (layout.CHECKPOINTS, HEADS_FILE)):
-        if is_rank_zero():
-            where = supersede(run_dir, old_recipe or "unknown")
-            log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir,
-                        "force=true" if cfg.force else "the recipe changed", where)
+    state = open_run_dir(cfg, run_dir)  # finished (skip), to resume, or superseded and fresh
+    if state.finished_meta is not None and state.has_tree_stats:
+        return state.finished_meta["metrics"]
+    done, recipe, finished = state.finished_meta, state.recipe, state.finished
     backbone = load_backbone(cfg.backbone)
-    from mtp_train.pipeline.prepared import check_prepared_is_current
+    from mtp_train.data.prepared import check_prepared_is_current
 
     check_prepared_is_current(cfg, backbone.tokenizer)  # not rows prepared from other data settings
-    max_length = layout.max_length(cfg)
-    if cfg.heads.k >= max_length - 1:
-        raise ConfigError(f"heads.k: {cfg.heads.k} leaves no target in rows of {max_length} tokens")
+    max_length = layout.max_length(cfg)  # heads.k fits it: checked with the config (check_k_fits)
     draft_ids = draft_vocab_for(cfg, backbone)
     torch.manual_seed(cfg.seed)  # the heads' init must not depend on what preparation drew before
     heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids)
     if done is not None:
-        from mtp_train.heads import load_heads
+        from mtp_train.heads.persist import load_heads
 
         heads = load_heads(run_dir, backbone)[0].train()
     n = count_parameters(heads)
@@ -392,21 +250,11 @@ def _run_train(cfg: Config) -> dict:
     loggers = make_loggers(cfg)
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
+    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
-    resuming = last.exists()
-    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=trainer.is_global_zero,
-                         recipe=recipe)
-    if resuming:
-        step = check_readable(last, run_dir)
-        max_steps = cfg.trainer.get("max_steps") or -1
-        if step is not None and max_steps > 0 and step > max_steps:
-            raise ConfigError(f"trainer.max_steps: {last} is already at step {step}, past the {max_steps} "
-                              f"asked for; force=true trains {max_steps} steps afresh (the longer run moves "
-                              "to superseded/)")
-        log.info("resuming from %s", last)
+    resuming = check_resume(run_dir, last, heads, backbone, cfg, recipe, write=trainer.is_global_zero)
     if trainer.is_global_zero:  # what export reads: no other command writes it (the lock)
         from mtp_train.artifacts import write_text_atomic
 
@@ -443,5 +291,5 @@ def eval_trained(cfg: Config) -> dict | None:
         return None
     run_dir = Path(cfg.paths.output_dir)
     return run_eval(dataclasses.replace(
-        cfg, eval=dataclasses.replace(cfg.eval, heads=str(run_dir)),
+        cfg, eval=dataclasses.replace(cfg.eval, train_run=str(run_dir)),
         paths=dataclasses.replace(cfg.paths, output_dir=str(run_dir / "eval"))))

@@ -1,0 +1,186 @@
+"""The run-directory policy of mtp-train (docs/architecture.md, "Run directories"): what a run
+directory is keyed by, when it is finished, resumed or superseded, and the checks that refuse to
+resume checkpoints made for something else."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from mtp_train import layout
+from mtp_train.config import Config
+from mtp_train.errors import ConfigError, MtpError
+from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
+
+log = logging.getLogger(__name__)
+
+
+def recipe_keys(cfg: Config) -> tuple[str, str]:
+    """(recipe, finished) hashes of a training run, computed without loading anything.
+
+    The recipe is what the checkpoints depend on: backbone weights, prepared data (their manifests'
+    hashes), row length, heads, loss, optimiser and seed; a run directory whose checkpoints were made
+    for another recipe starts over. `finished` adds the run's length and precision: heads written
+    under the same `finished` hash are up to date and the run is skipped (force=true trains again).
+    Changing only trainer.max_steps keeps the recipe, so a longer run resumes from last.ckpt."""
+    from mtp_train.artifacts import config_hash, read_manifest
+    from mtp_train.backbone import backbone_identity
+
+    structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
+    train = {k: v for k, v in structured(cfg.train).items() if k not in ("num_workers", "use_cache", "eval_after")}
+    data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
+    lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
+    recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
+                          "max_length": layout.max_length(cfg),
+                          "heads": structured(cfg.heads), "loss": structured(cfg.loss), "train": train,
+                          "seed": cfg.seed})
+    t = cfg.trainer
+    finished = config_hash({"recipe": recipe, "max_steps": t.get("max_steps"),
+                            "max_epochs": t.get("max_epochs"), "precision": str(t.get("precision"))})
+    return recipe, finished
+
+
+def finished_run(run_dir: Path, finished: str) -> dict | None:
+    """The metrics of heads this run directory already holds for exactly this recipe and length."""
+    from mtp_train.artifacts import read_json
+
+    meta = read_json(run_dir / HEADS_META)
+    if meta and (meta.get("recipe") or {}).get("finished") == finished and (run_dir / HEADS_FILE).is_file():
+        return meta
+    return None
+
+
+def supersede(run_dir: Path, old_recipe: str) -> Path:
+    """Move what a run directory holds for another recipe (checkpoints, heads, logs) to
+    <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing."""
+    dest = run_dir / layout.SUPERSEDED / old_recipe
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (layout.CHECKPOINTS, HEADS_FILE, HEADS_META, layout.ADAPTER_DIR, TREE_STATS, layout.RUN_META,
+                 layout.CSV_LOGS):
+        src = run_dir / name
+        if src.exists():
+            target = dest / name
+            if target.exists():  # superseded twice by the same recipe: keep the newer copy
+                import shutil
+
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            os.replace(src, target)
+    return dest
+
+
+def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool,
+                         write: bool = True, recipe: str | None = None) -> None:
+    """A run directory remembers what its checkpoints were made for; resuming with other heads or
+    another backbone is refused before Lightning tries (and fails deep inside) to load them."""
+    from mtp_train.artifacts import read_json, write_json_atomic
+
+    meta = {"backbone": backbone.name, "hidden_size": backbone.hidden_size,
+            "vocab_size": backbone.vocab_size, "head_type": cfg.heads.type, "k": cfg.heads.k,
+            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}, "recipe": recipe}
+    old = read_json(run_dir / layout.RUN_META)
+    if resuming and old is not None:
+        for key in ("backbone", "hidden_size", "vocab_size", "head_type", "k", "heads"):
+            if old.get(key) != meta[key]:
+                shown = "parameter shapes" if key == "heads" else f"{old.get(key)!r} -> {meta[key]!r}"
+                raise ConfigError(
+                    f"{run_dir / layout.CHECKPOINTS} was made with another {key} ({shown}); use a new "
+                    "hydra.run.dir, or the same backbone= and heads= settings to resume")
+    if write:
+        write_json_atomic(run_dir / layout.RUN_META, meta)
+
+
+@contextlib.contextmanager
+def resume_loads_weights_only(last: Path | None):
+    """Resuming never unpickles code: Lightning is asked for a weights-only load of a checkpoint
+    file (where its version has the switch), and a ZeRO directory is read with every torch.load
+    forced weights-only, DeepSpeed's own record types allowed (`distributed.weights_only_loads`)."""
+    import inspect
+
+    import lightning as L
+
+    extra = {"weights_only": True} if "weights_only" in inspect.signature(L.Trainer.fit).parameters else {}
+    if last is None or not last.is_dir():
+        yield extra
+        return
+    from mtp_train.distributed import weights_only_loads, zero_file_types
+
+    with weights_only_loads(zero_file_types()):
+        yield extra
+
+
+def check_readable(last: Path, run_dir: Path) -> int | None:
+    """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
+    Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed. Returns the
+    checkpoint's global step (None for a ZeRO directory)."""
+    from mtp_train.distributed import CheckpointRefused, CheckpointUnreadable, load_weights_only
+
+    if not last.is_file():
+        return None
+    try:
+        ckpt = load_weights_only(last, mmap=True)
+    except CheckpointRefused as e:  # intact, but holds objects a weights-only load refuses
+        raise MtpError(f"{last}: refusing to resume from it: it holds more than tensors and plain values, "
+                       f"and loading it could run code (it names {e.name}); force=true trains afresh") from None
+    except CheckpointUnreadable as e:
+        raise MtpError(f"{last}: cannot be read ({e.detail}); it was probably cut off while being saved. "
+                       f"Rerun with force=true to train afresh (what {run_dir} holds now moves to "
+                       f"{run_dir / layout.SUPERSEDED})") from None
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    return int(step) if isinstance(step, int) else None
+
+
+@dataclass
+class RunDir:
+    recipe: str
+    finished: str
+    finished_meta: dict | None  # heads.json of heads already trained with this recipe and length
+    has_tree_stats: bool  # those heads have their rank statistics (else one validation records them)
+
+
+def open_run_dir(cfg: Config, run_dir: Path) -> RunDir:
+    """What `run_dir` holds for this config: heads already finished with this recipe and length
+    (skipped), checkpoints of the same recipe (resumed by the caller), or checkpoints and heads of
+    another recipe or `force=true`, which are moved to superseded/<old recipe>/ first."""
+    from mtp_train.artifacts import read_json
+    from mtp_train.runlock import is_rank_zero
+
+    recipe, finished = recipe_keys(cfg)
+    done = None if cfg.force else finished_run(run_dir, finished)
+    state = RunDir(recipe, finished, done, (run_dir / TREE_STATS).is_file())
+    if done is not None:
+        if state.has_tree_stats:
+            log.info("%s already holds heads trained with this recipe and length; skipping "
+                     "(force=true trains again)", run_dir)
+        else:
+            log.info("%s holds heads trained with this recipe but no %s: validating once to record them",
+                     run_dir, TREE_STATS)
+        return state
+    old_recipe = (read_json(run_dir / layout.RUN_META) or {}).get("recipe")
+    if (cfg.force or (old_recipe and old_recipe != recipe)) and any(
+            (run_dir / n).exists() for n in (layout.CHECKPOINTS, HEADS_FILE)) and is_rank_zero():
+        where = supersede(run_dir, old_recipe or "unknown")
+        log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir,
+                    "force=true" if cfg.force else "the recipe changed", where)
+    return state
+
+
+def check_resume(run_dir: Path, last: Path, heads, backbone, cfg: Config, recipe: str, write: bool) -> bool:
+    """Whether training resumes from `last` (checkpoints/last.ckpt): refused when it was made for
+    other heads or another backbone, is unreadable, or is already past trainer.max_steps. Records
+    what the checkpoints are made for (run_meta.json) when `write`."""
+    resuming = last.exists()
+    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=write, recipe=recipe)
+    if resuming:
+        step = check_readable(last, run_dir)
+        max_steps = cfg.trainer.get("max_steps") or -1
+        if step is not None and max_steps > 0 and step > max_steps:
+            raise ConfigError(f"trainer.max_steps: {last} is already at step {step}, past the {max_steps} "
+                              f"asked for; force=true trains {max_steps} steps afresh (the longer run moves "
+                              "to superseded/)")
+        log.info("resuming from %s", last)
+    return resuming
