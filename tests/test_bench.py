@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
+@pytest.mark.integration
 def test_scaling_curve_points_fit_and_plot(tmp_path, monkeypatch):
     import scaling
 
@@ -47,6 +48,7 @@ def test_log_fit_recovers_a_known_line(taus, slope):
         assert fit["tokens_for_target"] is None
 
 
+@pytest.mark.integration
 def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypatch):
     import recipes
 
@@ -65,6 +67,7 @@ def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypat
         recipes.main(["--only", "nonsense"])
 
 
+@pytest.mark.integration
 def test_long_run_trains_points_with_steps_in_proportion_and_reports_the_targets(tmp_path, monkeypatch):
     import long_run
 
@@ -87,6 +90,7 @@ def test_long_run_trains_points_with_steps_in_proportion_and_reports_the_targets
     assert (tmp_path / "long" / "long_run.png").stat().st_size > 0
 
 
+@pytest.mark.integration
 def test_gpu_check_script_composes_every_config_it_runs(tmp_path):
     """CPU side of bench/gpu_check.sh: each Hydra command it would run on a GPU composes (a typo in a
     trainer or key name fails here, not on the borrowed GPU)."""
@@ -106,6 +110,7 @@ def test_gpu_check_script_composes_every_config_it_runs(tmp_path):
     assert "accelerator: gpu" in (tmp_path / "gpu" / "train_gpu.compose.yaml").read_text()
 
 
+@pytest.mark.integration
 def test_length_batches_bench_times_both_orders_and_grouping_pads_less(tmp_path, monkeypatch, capsys):
     import length_batches
 
@@ -129,6 +134,7 @@ def test_padded_slots_counts_each_batch_at_its_longest_row():
     assert padded_slots(lengths, [0, 2, 3, 4, 1], 2) == (17, 14)
 
 
+@pytest.mark.integration
 def test_lora_bench_trains_frozen_and_lora_points_and_reports_the_drift(tmp_path, monkeypatch):
     import lora
 

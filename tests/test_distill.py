@@ -15,6 +15,8 @@ from mtp_train.config import DataConfig, DistillConfig
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
 
+pytestmark = pytest.mark.integration  # every test runs the data or distill stage
+
 DCFG = DistillConfig(max_new_tokens=12, max_prompt_tokens=112, batch_size=4, shard_size=8,
                      max_train_prompts=20, max_val_prompts=6, autocast="float32")
 

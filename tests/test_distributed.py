@@ -143,6 +143,7 @@ def test_trainer_checks_name_the_key():
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_mtp_train_refuses_deepspeed_on_cpu_with_one_line(tmp_path):
     r = subprocess.run([str(BIN / "mtp-train"), *TINY, "trainer=deepspeed_stage_2",
                         f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run"],
@@ -248,6 +249,7 @@ def single_run(tmp_path_factory):
     return root, _train(root, "single", "train.batch_size=4")
 
 
+@pytest.mark.integration
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(single_run):
     """Same rows per global step, gradients averaged over ranks: the heads and the figures agree with
     the one-process run up to the difference between a mean of per-rank means and a global mean
@@ -268,6 +270,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(single_r
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.integration
 def test_ddp_reduces_the_lora_adapters_too(tmp_path):
     """With backbone.lora the adapters train in every rank; DDP must average their gradients as it
     does the heads' (they are registered in the LightningModule), or rank 0's adapters would follow
@@ -288,6 +291,7 @@ def test_ddp_reduces_the_lora_adapters_too(tmp_path):
     assert diff("ddp", adapters) < 0.25 * diff("half", adapters), (diff("ddp", adapters), diff("half", adapters))
 
 
+@pytest.mark.integration
 def test_export_consolidates_a_zero_checkpoint_made_by_deepspeed(single_run, tmp_path):
     """DeepSpeed (on CPU, DS_ACCELERATOR=cpu) trains one step of these heads under ZeRO-2 and saves
     shards the way Lightning does (tag 'checkpoint', `_forward_module.` prefix); mtp-export-heads

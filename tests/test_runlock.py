@@ -41,6 +41,7 @@ def test_a_second_command_is_refused_naming_the_holder(tmp_path):
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_the_lock_is_free_again_after_its_holder_is_killed_with_sigkill(tmp_path):
     p = _hold(tmp_path)
     try:
@@ -66,6 +67,7 @@ def test_the_holders_hydra_config_is_put_back_after_another_command_wrote_over_i
 
 
 @pytest.mark.bad_input
+@pytest.mark.integration
 def test_mtp_train_on_a_run_directory_in_use_exits_with_one_line_and_touches_nothing(tmp_path):
     """The issue's case: a second mtp-train (another k) on the directory of a running one."""
     run = tmp_path / "run"
