@@ -18,8 +18,8 @@ READS: dict[str, tuple[str, ...]] = {
     "prep": ("seed", "stage", "force", "backbone", "data", "heads.type", "heads.aux_layers",
              "train.data_use", "train.max_length"),
     "train": ("seed", "stage", "force", "backbone", "data", "heads", "loss", "train"),  # + eval with train.eval_after
-    "clp": ("seed", "stage", "force", "backbone", "data", "clp", "eval", "train.data_use", "train.max_length",
-            "train.use_cache"),
+    "clp": ("seed", "stage", "force", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
+            "train.max_length", "train.use_cache"),  # calibration decodes eval.max_new_tokens
     "eval": ("seed", "force", "backbone", "data", "eval"),
 }
 _JUDGED: ContextVar[tuple[str, ...] | None] = ContextVar("judged_keys", default=None)

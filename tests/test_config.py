@@ -132,13 +132,17 @@ def test_a_bad_trainer_value_stops_mtp_train_only(compose_cfg):
         check_trainer(typed.trainer, gpus=0, cpus=2)  # what mtp-train checks before it builds one
 
 
-@pytest.mark.parametrize("override,command", [("eval.rounds=0", "eval"), ("eval.rounds=0", "clp"),
+@pytest.mark.parametrize("override,command", [("eval.rounds=0", "eval"), ("eval.max_new_tokens=0", "clp"),
                                               ("clp.kinds=[]", "clp"), ("data.val_fraction=2", "eval"),
                                               ("train.data_use=web", "clp"), ("train.data_use=web", "prep")])
 @pytest.mark.bad_input
 def test_each_command_refuses_a_bad_value_of_a_key_it_reads(compose_cfg, override, command):
     with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}"):
         validate(compose_cfg("backbone=tiny", override), command=command)
+
+
+def test_mtp_clp_judges_only_the_eval_key_its_calibration_reads(compose_cfg):
+    validate(compose_cfg("backbone=tiny", "eval.rounds=0"), command="clp")  # a timing setting it never uses
 
 
 def test_mtp_train_judges_eval_keys_only_when_it_decodes_after_training(compose_cfg):
