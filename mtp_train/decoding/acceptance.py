@@ -19,25 +19,29 @@ import torch
 from mtp_train.trees import DraftTree, greedy_accept
 
 
-class ExactMatch:
-    """Lossless greedy verification over a chain or a tree."""
+class AcceptRule:
+    """What every rule has: `accept` (below, per rule) and the token committed after the path."""
 
-    lossless = True
+    def accept(self, d: DraftTree, logits: torch.Tensor) -> list[int]:
+        raise NotImplementedError
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """The token the backbone commits after the kept path, from its logits there (V,): its
+        greedy choice."""
+        return int(logits.argmax())
+
+
+class ExactMatch(AcceptRule):
+    """Lossless greedy verification over a chain or a tree."""
 
     def accept(self, d: DraftTree, logits: torch.Tensor) -> list[int]:
         return greedy_accept(d, logits.argmax(-1).tolist())
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """The token the backbone commits after the kept path, from its logits there (V,)."""
-        return int(logits.argmax())
-
 
 @dataclass(frozen=True)
-class Relaxed(ExactMatch):
+class Relaxed(AcceptRule):
     delta: float = 0.5
     budget: float = 0.0
-
-    lossless = False
 
     def accept(self, d: DraftTree, logits: torch.Tensor) -> list[int]:
         if not d.is_chain():
@@ -46,9 +50,7 @@ class Relaxed(ExactMatch):
         return list(range(relaxed_prefix(logits[: d.n], drafts, self.delta, self.budget)))
 
 
-class Unverified(ExactMatch):
-    lossless = False
-
+class Unverified(AcceptRule):
     def accept(self, d: DraftTree, logits: torch.Tensor) -> list[int]:
         return list(range(d.n))
 

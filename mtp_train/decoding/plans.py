@@ -22,11 +22,13 @@ import torch
 from mtp_train.trees import DraftTree, TreeShape
 
 
-class NoDrafts:
-    drafts = False
+class PlanSource:
+    """What every plan source has; `plan` is each one's own."""
 
-    def plan(self, k: int, state) -> TreeShape:
-        return TreeShape(())
+    drafts = True
+
+    def plan(self, k: int, state):
+        raise NotImplementedError
 
     def cut(self, tree: DraftTree, state) -> DraftTree:
         return tree
@@ -35,9 +37,14 @@ class NoDrafts:
         pass
 
 
-class Chain(NoDrafts):
-    drafts = True
+class NoDrafts(PlanSource):
+    drafts = False
 
+    def plan(self, k: int, state) -> TreeShape:
+        return TreeShape(())
+
+
+class Chain(PlanSource):
     def __init__(self, n: int | None = None):
         self.n = n
 
@@ -45,9 +52,7 @@ class Chain(NoDrafts):
         return TreeShape.chain(k if self.n is None else min(self.n, k))
 
 
-class Tree(NoDrafts):
-    drafts = True
-
+class Tree(PlanSource):
     def __init__(self, tree):
         self.tree = tree  # a TreeShape or a DynamicTree
 
@@ -55,11 +60,9 @@ class Tree(NoDrafts):
         return self.tree
 
 
-class Span(NoDrafts):
+class Span(PlanSource):
     """`policy(hidden (d,), head_probs (k,) or None)` -> m in 0..k; with `needs_probs = False` it is
     asked before drafting, with head_probs None."""
-
-    drafts = True
 
     def __init__(self, policy):
         self.policy = policy
@@ -75,9 +78,7 @@ class Span(NoDrafts):
         return tree.keep(list(range(min(tree.n, m))))
 
 
-class Adaptive(NoDrafts):
-    drafts = True
-
+class Adaptive(PlanSource):
     def __init__(self, policy):
         self.policy = policy  # anything with choose(entropy=) and update(shape, ranks, entropy=)
 
