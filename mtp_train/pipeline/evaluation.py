@@ -101,13 +101,15 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
     from mtp_train.heads.persist import count_parameters
     from mtp_train.layout import HEADS_FILE
 
-    out, heads_hash = {}, None
+    out, loaded, heads_hash = {}, {}, None
     for mode in cfg.eval.modes:
         kind = MODES[mode].predictor  # the predictor kind the mode needs, in the mtp-clp run's <kind>/
         if kind is None:
             continue
         path = layout.predictor_dir(cfg.eval.clp_run, kind)
-        pred, meta = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
+        if kind not in loaded:  # clp and clp+verify read the same predictor: once
+            loaded[kind] = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
+        pred, meta = loaded[kind]
         heads_hash = heads_hash or file_sha256(Path(cfg.eval.train_run) / HEADS_FILE)
         if meta.get("heads_sha256") not in (None, heads_hash):
             raise ConfigError(f"eval.clp_run: {path} was fitted on the acceptance of other heads than eval.train_run="
