@@ -30,6 +30,7 @@ def test_each_family_builds_its_heads_and_the_decoder_picks_its_drafter(tiny_bac
     assert family_of(heads) == name
     drafter = make_drafter(heads, tiny_backbone, None)
     assert type(drafter) is fam.drafter_class() and drafter.k == 2
+    assert type(drafter).__module__ == f"mtp_train.decoding.drafters.{name}"  # one drafter module per family
     assert bool(heads.aux_layers) == fam.reads_aux  # what the cache and the decoder ask of the heads
     w = heads.lm_weight(tiny_backbone.lm_head, 1)
     assert w.shape == (heads.draft_size, tiny_backbone.hidden_size)
