@@ -265,6 +265,9 @@ class DraftTree:
     scores: list[float] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)  # the node's own draft probability
     ranks: list[tuple] = field(default_factory=list)  # a static tree's rank path per node
+    # speculative sampling: parent (-1 = root) -> the (V,) distribution its children were drawn from,
+    # without replacement, in node order; parents absent here had their children chosen outright
+    proposals: dict = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -304,6 +307,13 @@ class DraftTree:
             t.probs.append(self.probs[old])
             if self.ranks:
                 t.ranks.append(self.ranks[old])
+        for u, q in self.proposals.items():
+            # a drawn proposal still describes the kept children only if they are the first ones
+            # drawn; otherwise the verifier treats them as chosen outright (lossless either way)
+            drawn = [v for v, p in enumerate(self.parents) if p == u]
+            kept = [v for v in drawn if v in where]
+            if (u < 0 or u in where) and kept == drawn[: len(kept)]:
+                t.proposals[-1 if u < 0 else where[u]] = q
         return t
 
 

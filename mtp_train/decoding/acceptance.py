@@ -7,6 +7,10 @@ indices, root first, and picks the token the backbone commits after it.
                  sum_i (log max p - log p(d_i)) stays <= budget ("Match the Distribution"; budget 0
                  is ExactMatch)
     Unverified   keep every drafted node of a chain (CLP's lossy span: commit without checking)
+    RejectionSampling
+                 speculative sampling at a temperature > 0 (sampling.verify_tree): lossless in
+                 distribution; it picks the token after the path itself (a residual or bonus
+                 draw), returned as the path's `token`
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_train.decoding.sampling import Draws, verify_tree
 from mtp_train.trees import DraftTree, greedy_accept
+
+
+class Kept(list):
+    """A kept path (node indices, root first) whose rule also chose the token committed after it."""
+
+    def __init__(self, path, token: int):
+        super().__init__(path)
+        self.token = token
 
 
 class AcceptRule:
@@ -53,6 +66,22 @@ class Relaxed(AcceptRule):
 class Unverified(AcceptRule):
     def accept(self, d: DraftTree, logits: torch.Tensor) -> list[int]:
         return list(range(d.n))
+
+
+class RejectionSampling(AcceptRule):
+    """Lossless speculative sampling: the backbone's distribution warped by `warpers`
+    (sampling.Warpers), the drafts verified by recursive rejection sampling over the tree, every
+    draw from `generator`."""
+
+    def __init__(self, warpers, generator: torch.Generator | None = None):
+        self.warpers, self.draws = warpers, Draws(generator)
+
+    def accept(self, d: DraftTree, logits: torch.Tensor) -> Kept:
+        path, token = verify_tree(lambda row: self.warpers.probs(logits[row]), d, self.draws)
+        return Kept(path, token)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        return self.draws.draw(self.warpers.probs(logits))
 
 
 def relaxed_prefix(logits: torch.Tensor, drafts: torch.Tensor, delta: float, budget: float) -> int:

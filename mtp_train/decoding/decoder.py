@@ -11,7 +11,8 @@ position of the last backbone hidden state:
     3. verify  the backbone reads [x, nodes] in one forward: each node attends to the cached prefix,
                x and its own ancestors, at position N - 1 + depth (`_verify`; a chain is a plain
                causal forward)
-    4. accept  the acceptance rule passed in (acceptance.py) picks the path to keep
+    4. accept  the acceptance rule passed in (acceptance.py) picks the path to keep (and, when it
+               samples, the token after it)
     5. commit  the kept path plus the backbone's token after it are committed; the KV rows of the
                kept path are compacted into place (every layer), so the cache equals what sequential
                greedy decoding would hold (`_commit`)
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtp_train.backbone import cut_at_eos
-from mtp_train.decoding.acceptance import ExactMatch
+from mtp_train.decoding.acceptance import ExactMatch, Kept
 from mtp_train.decoding.drafters import make_drafter
 from mtp_train.decoding.drafting import draft_tree
 from mtp_train.decoding.kv import crop_to, keep_rows
@@ -167,7 +168,8 @@ class Decoder:
         while not self._done(st.new, max_new_tokens):
             room = max_new_tokens - len(st.new) - 1  # no draft past the token budget
             plan = drafts.plan(k, st)
-            d = draft_tree(self.drafter, st.tokens, st.hidden, plan, room, st.aux) if self.drafter else DraftTree()
+            d = (draft_tree(self.drafter, st.tokens, st.hidden, plan, room, st.aux, drafts.sampler)
+                 if self.drafter else DraftTree())
             d = drafts.cut(d, st)
             out, logits, aux = self._verify(st, d)
             path = accept.accept(d, logits)
@@ -204,7 +206,7 @@ class Decoder:
         else:
             keep_rows(st.cache, torch.cat([torch.arange(cached), cached + torch.tensor(rows)]).to(self.device))
         last = rows[-1]
-        bonus = accept.next_token(logits[last])
+        bonus = path.token if isinstance(path, Kept) else accept.next_token(logits[last])
         committed = [d.tokens[v] for v in path] + [bonus]
         st.hidden = torch.cat([st.hidden, out[rows]])
         if aux is not None:

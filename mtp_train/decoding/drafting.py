@@ -26,9 +26,15 @@ class DynamicTree:
 
 
 def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_depth: int,
-               aux: torch.Tensor | None = None) -> DraftTree:
+               aux: torch.Tensor | None = None, sampler=None) -> DraftTree:
     """Draft the nodes `plan` asks for (a TreeShape or a DynamicTree), level by level, no deeper than
-    `max_depth`; `aux` (N - 1, n * d): the backbone's auxiliary states, for heads that read them."""
+    `max_depth`; `aux` (N - 1, n * d): the backbone's auxiliary states, for heads that read them.
+
+    `sampler` (sampling.DraftSampler): a static shape's children are drawn from the heads' warped
+    distribution (rank r = the r-th draw) and the distribution is kept in `tree.proposals`; without
+    one they are the heads' top-r. Dynamic trees always take the top candidates: their pruning picks
+    nodes by score, so drawn children would no longer be draws (speculative sampling verifies them
+    as chosen outright)."""
     tree = DraftTree()
     if isinstance(plan, TreeShape):
         depth = min(plan.depth, max_depth)
@@ -37,6 +43,7 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
     if depth <= 0 or (isinstance(plan, TreeShape) and plan.n == 0):
         return tree
     drafter.begin(tokens, hidden, aux)
+    vocab = getattr(sampler, "vocab", None)
     if isinstance(plan, TreeShape):
         node_of: dict[tuple, int] = {(): -1}
         by_depth: dict[int, list[tuple]] = {}
@@ -44,18 +51,30 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
             if len(path) <= depth:
                 by_depth.setdefault(len(path), []).append(path)
         for j in range(1, depth + 1):
-            paths = by_depth.get(j, [])
-            parents = sorted({node_of[pth[:-1]] for pth in paths})
+            paths = [pth for pth in by_depth.get(j, []) if pth[:-1] in node_of]  # parents drafted
             if not paths:
                 break
+            parents = sorted({node_of[pth[:-1]] for pth in paths})
             lp = drafter.level(j, parents, tree)  # (len(parents), |D|)
-            width = max(pth[-1] for pth in paths) + 1
-            top_lp, top_idx = lp.topk(min(width, lp.shape[-1]), -1)
+            # a path's candidate: its rank among the heads' top candidates, or, when drawing, its
+            # place among its siblings (so that the kept children are always the first draws)
+            slot = {pth: pth[-1] for pth in paths}
+            if sampler is not None:
+                for u_path in {pth[:-1] for pth in paths}:
+                    sibs = sorted(pth for pth in paths if pth[:-1] == u_path)
+                    slot.update({pth: i for i, pth in enumerate(sibs)})
+            width = max(slot.values()) + 1
+            if sampler is None:
+                top_lp, top_idx = lp.topk(min(width, lp.shape[-1]), -1)
+            else:
+                top_lp, top_idx, q = sampler.pick(lp, width)
+                for u, dist in zip(parents, q, strict=True):
+                    tree.proposals[u] = _on_vocabulary(drafter, dist, vocab)
             tok = drafter.to_tokens(top_idx).tolist()
             row = {u: i for i, u in enumerate(parents)}
             top_lp = top_lp.tolist()
             for pth in paths:
-                u, r = node_of[pth[:-1]], pth[-1]
+                u, r = node_of[pth[:-1]], slot[pth]
                 if r >= len(tok[row[u]]):
                     continue
                 base = 0.0 if u < 0 else tree.scores[u]
@@ -81,3 +100,11 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
         tree = tree.keep(sorted(keep))
     return tree
 
+
+
+def _on_vocabulary(drafter, q: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """A distribution over the draft vocabulary (|D|,) as one over the backbone's (V,) (zero outside)."""
+    ids = drafter.to_tokens(torch.arange(q.shape[-1], device=q.device))
+    if vocab is None or (vocab == q.shape[-1] and torch.equal(ids, torch.arange(vocab, device=q.device))):
+        return q
+    return torch.zeros(vocab, dtype=q.dtype, device=q.device).index_copy_(0, ids, q)

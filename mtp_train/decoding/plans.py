@@ -13,6 +13,8 @@ that made the last committed token.
                (then only m heads run), else after it from the heads' top-1 probabilities
     Adaptive   a depth policy (policies.CostPolicy, EntropyPolicy) picks the tree per step and
                learns from each verified step
+    Sampled    any of these with its static shapes' drafts drawn from the heads' warped
+               distribution (sampling.DraftSampler) instead of taken as their top candidates
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class PlanSource:
     """What every plan source has; `plan` is each one's own."""
 
     drafts = True
+    sampler = None  # a sampling.DraftSampler: drafts are drawn, not the top candidates
 
     def plan(self, k: int, state):
         raise NotImplementedError
@@ -87,3 +90,19 @@ class Adaptive(PlanSource):
 
     def update(self, plan, accepted_ranks: tuple, entropy: float) -> None:
         self.policy.update(plan, accepted_ranks, entropy=entropy)
+
+
+class Sampled(PlanSource):
+    """`source` with its drafts drawn by `sampler` (the plan, cut and update are the source's)."""
+
+    def __init__(self, source: PlanSource, sampler):
+        self.source, self.sampler, self.drafts = source, sampler, source.drafts
+
+    def plan(self, k: int, state):
+        return self.source.plan(k, state)
+
+    def cut(self, tree: DraftTree, state) -> DraftTree:
+        return self.source.cut(tree, state)
+
+    def update(self, plan, accepted_ranks: tuple, entropy: float) -> None:
+        self.source.update(plan, accepted_ranks, entropy)

@@ -7,12 +7,21 @@ Decoding with Speculative Sampling").
     accept_chance    a draft x sampled from q is kept with probability min(1, p(x) / q(x))
     residual         on a rejection the token comes from max(0, p - q), normalised
     verify_chain     one chain step: keep drafts while they pass, then a token from the residual,
-                     or, after a fully kept chain, a bonus token from p
+                     or, after a fully kept chain, a bonus token from p (the plain reference)
+    DraftSampler     draws a node's children from the heads' warped q, without replacement, and
+                     keeps q on the tree (`DraftTree.proposals`) for the verifier
+    verify_tree      one step over a token tree: recursive rejection sampling over each node's
+                     children, in their order (a chain is the one-child case)
 
 Why it is lossless: the token emitted at a depth is x with probability q(x) min(1, p(x)/q(x)) +
 (1 - sum_y min(p(y), q(y))) * residual(x) = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x), and a kept
-draft leaves the next depth in the same situation one token on (docs/decoding.md). The decoder does
-not use these yet; tests/test_sampling.py checks them exactly by enumeration.
+draft leaves the next depth in the same situation one token on. Over several children the rejected
+child's residual becomes the target for the next child, each child tested against the distribution
+it was really drawn from: q with the earlier siblings removed (drawn without replacement), or a
+point mass for children chosen without sampling (top-k or pruned trees, where q(c) = 1 and the test
+is "keep c with probability p(c)"). Each test is a valid rejection sampler for its target whatever
+happened before it, so the token the node emits has the backbone's distribution (docs/decoding.md,
+"Speculative sampling"; tests/test_sampling.py enumerates every outcome).
 """
 
 from __future__ import annotations
@@ -96,3 +105,77 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
             continue
         return i, int(torch.multinomial(residual(p[i], q[i]), 1, generator=generator))
     return n, int(torch.multinomial(p[n], 1, generator=generator))
+
+
+class DraftSampler:
+    """Draws drafts from the heads' warped distribution instead of taking their top-k.
+
+    `pick(logp (rows, |D|), width)` -> (log-probs (rows, w), draft indices (rows, w), q (rows, |D|)):
+    each row's `width` children drawn without replacement from q = warpers(logp) (fewer where q has
+    fewer tokens), in draw order. The generator is the decode's, so a seeded run repeats."""
+
+    def __init__(self, warpers: Warpers, generator: torch.Generator | None = None, vocab: int | None = None):
+        self.warpers, self.generator = warpers, generator
+        self.vocab = vocab  # the backbone's vocabulary size, for proposals over a draft vocabulary
+
+    def pick(self, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.warpers.probs(logp)
+        w = max(1, min(width, int((q > 0).sum(-1).min())))
+        idx = torch.multinomial(q, w, replacement=False, generator=self.generator)
+        return logp.gather(-1, idx), idx, q
+
+
+def _without(dist: torch.Tensor, token: int) -> torch.Tensor | None:
+    """`dist` with `token` removed, renormalised; None when nothing is left."""
+    out = dist.clone()
+    out[token] = 0.0
+    total = out.sum()
+    return out / total if total > 0 else None
+
+
+class Draws:
+    """The randomness of verification: `coin(chance)` is True with probability `chance`, `draw(dist)`
+    a token from `dist` (V,). From a seeded generator here; tests replace it to enumerate every
+    outcome exactly."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def coin(self, chance: torch.Tensor) -> bool:
+        return bool(torch.rand((), generator=self.generator, device=chance.device) < chance)
+
+    def draw(self, dist: torch.Tensor) -> int:
+        return int(torch.multinomial(dist, 1, generator=self.generator))
+
+
+def verify_tree(p_at, tree, draws: Draws) -> tuple[list[int], int]:
+    """One speculative-sampling step over a drafted tree (trees.DraftTree).
+
+    p_at(row) -> the backbone's warped distribution (V,) at row 0 (after x) or 1 + v (after node v),
+    asked for only on the rows the walk visits. `tree.proposals[u]` is the (V,) distribution u's
+    children were drawn from without replacement, in node order (u = -1: the root); a node without
+    one had its children chosen outright. Returns (the kept path's node indices, root first; the
+    token committed after it)."""
+    children: dict[int, list[int]] = {}
+    for v, u in enumerate(tree.parents):
+        children.setdefault(u, []).append(v)
+    path, u, target = [], -1, p_at(0)
+    while True:
+        q = tree.proposals.get(u)
+        kept = None
+        for v in children.get(u, ()):
+            x = tree.tokens[v]
+            if q is None:  # chosen outright: a point mass at x, kept with probability target(x)
+                if draws.coin(target[x]):
+                    kept = v
+                    break
+                target = _without(target, x)
+            else:
+                if draws.coin(accept_chance(target[x], q[x].clamp(min=1e-30))):
+                    kept = v
+                    break
+                target, q = residual(target, q), _without(q, x)
+        if kept is None:
+            return path, draws.draw(target)
+        path.append(kept)
+        u, target = kept, p_at(1 + kept)
