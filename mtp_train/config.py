@@ -357,6 +357,35 @@ class ClpConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """eval.sampling: the lossless modes also decoded with speculative sampling, against HF generate
+    with do_sample=True and the same warpers (docs/decoding.md, "Speculative sampling")."""
+
+    temperatures: list[float] = field(default_factory=list)  # each > 0 is one sampled run; 0 = the greedy run
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0  # 1: no top-p
+    min_p: float | None = None
+    modes: list[str] | None = None  # which of eval.modes sample; None = every one that can
+    samples: int = 1  # seeded samples per prompt (more make a sampled tau steadier)
+    seed: int = 0  # sample j of prompt i draws from a generator seeded with seed, i and j
+
+    def __post_init__(self) -> None:
+        for t in self.temperatures:
+            check(t >= 0, "eval.sampling.temperatures", f"must be >= 0 (0: greedy), got {t}")
+        check(self.top_k >= 0, "eval.sampling.top_k", f"must be >= 0 (0 keeps every token), got {self.top_k}")
+        check(0 < self.top_p <= 1, "eval.sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.min_p is None or 0 <= self.min_p <= 1, "eval.sampling.min_p", "must be in [0, 1] or null")
+        check(self.samples >= 1, "eval.sampling.samples", f"must be >= 1, got {self.samples}")
+        for m in self.modes or ():
+            check_choice(m, tuple(EVAL_MODES), "eval.sampling.modes")
+            check(MODES[m].cannot_sample is None, "eval.sampling.modes", f"{m} cannot sample: it {MODES[m].cannot_sample}")
+
+    @property
+    def temperatures_sampled(self) -> list[float]:
+        return [t for t in self.temperatures if t > 0]
+
+
+@dataclass
 class EvalConfig:
     """mtp-eval: which heads, which prompts, which decoding modes (HF generate greedy always runs)."""
 
@@ -381,6 +410,7 @@ class EvalConfig:
     entropy_high: float = 3.0  # no head at or above
     # clp, gate, clp+verify at this threshold instead of the calibrated one (to map the trade-off)
     span_threshold: float | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
         check(self.span_threshold is None or 0 < self.span_threshold <= 1, "eval.span_threshold",
@@ -406,6 +436,14 @@ class EvalConfig:
         check(self.budget >= 0, "eval.budget", "must be >= 0")
         check_choice(self.adaptive_policy, ADAPTIVE_POLICIES, "eval.adaptive_policy")
         check(self.entropy_low < self.entropy_high, "eval.entropy_low", "must be below eval.entropy_high")
+        for m in self.sampling.modes or ():
+            check(m in self.modes, "eval.sampling.modes", f"{m} is not in eval.modes {self.modes}")
+
+    def sampled_modes(self) -> list[str]:
+        """The modes decoded under sampling: eval.sampling.modes, or every one of eval.modes that can."""
+        if self.sampling.modes is not None:
+            return list(self.sampling.modes)
+        return [m for m in self.modes if MODES[m].cannot_sample is None]
 
     def check_inputs(self) -> None:
         """What only mtp-eval needs (the schema's defaults must construct without heads)."""

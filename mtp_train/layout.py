@@ -68,7 +68,8 @@ STAGE_TIMES = "stage_times.json"
 EVAL_REPORT = "eval_report.json"
 OUTPUTS = "outputs.json"
 SPEEDUP_PNG, ACCEPTANCE_PNG, VERIFY_COSTS_PNG = "speedup.png", "acceptance.png", "verify_costs.png"
-EVAL_PLOTS = (SPEEDUP_PNG, ACCEPTANCE_PNG, VERIFY_COSTS_PNG)
+SAMPLING_PNG = "sampling.png"  # tau and speedup per mode against the temperature (eval.sampling)
+EVAL_PLOTS = (SPEEDUP_PNG, ACCEPTANCE_PNG, VERIFY_COSTS_PNG, SAMPLING_PNG)
 
 # --- the demo pipeline and sweeps ----------------------------------------------------------------
 TRAIN_DIR, CLP_DIR, EVAL_DIR = "train", "clp", "eval"

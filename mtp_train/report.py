@@ -317,6 +317,7 @@ def write_report(run_root: str | Path) -> Path:
                    "greedy's token where the two first differ):", ""]
             md += [f"- {line}" for line in lines]
             md.append("")
+        md += _sampling_section(report)
         md += _decoder_section(report)
         for name in layout.EVAL_PLOTS:
             if (ev / name).is_file():
@@ -348,6 +349,42 @@ def write_report(run_root: str | Path) -> Path:
     tmp.write_text("\n".join(md) + "\n")
     tmp.replace(path)
     return path
+
+
+def _sampling_section(report: dict) -> list[str]:
+    """tau and speedup per mode at temperature 0 (greedy) and each sampled temperature, side by side,
+    and the training metric that predicts the sampled chain's tau (eval.sampling)."""
+    from mtp_train.evaluation.render import by_temperature, format_speedup
+
+    runs = report.get("sampled")
+    if not runs:
+        return []
+    first = next(iter(runs.values()))
+    temps = [0.0] + [run["temperature"] for run in runs.values()]
+    warp = ", ".join(f"{k}={first[k]}" for k in ("top_k", "top_p", "min_p") if first[k] not in (0, 1.0, None))
+    md = ["### Under sampling", "",
+          f"Speculative sampling (lossless: the outputs are the backbone's own samples) against HF `generate` with "
+          f"`do_sample=True` and the same warpers{' (' + warp + ')' if warp else ''}, "
+          f"{first['samples_per_prompt']} seeded sample(s) per prompt; a sampled speedup is the ratio of tokens/s "
+          "(samples differ in length). Each cell: tau / speedup (min-max over rounds).", "",
+          "| mode | " + " | ".join(f"T={t:g}" for t in temps) + " |", "|---|" + "---|" * len(temps)]
+    for name, by_t in by_temperature(report).items():
+        cells = [f"{_fmt(by_t[t][0]['tau'], 2)} / {format_speedup(*by_t[t])}" if t in by_t else "-" for t in temps]
+        md.append(f"| {name} | " + " | ".join(cells) + " |")
+    md.append("")
+    predicted = report.get("sim_tau_sampled") or {}
+    lines = []
+    for run in runs.values():
+        want = predicted.get(f"{run['temperature']:.1f}")
+        chain = run["modes"].get("verify")
+        if want is not None and chain is not None:
+            lines.append(f"T={run['temperature']:g}: training's val/sim_tau_t{run['temperature']:.1f} {want:.2f}, "
+                         f"decoded verify tau {chain['tau']:.2f} (difference {chain['tau'] - want:+.2f})")
+    if lines:
+        md += ["The training metric for sampled acceptance against the decoded chain:", ""]
+        md += [f"- {line}" for line in lines]
+        md.append("")
+    return md
 
 
 def _decoder_section(report: dict) -> list[str]:

@@ -374,3 +374,19 @@ def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: /data/run/heads.safetensors.tmp: No space left on device")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("eval.sampling.temperatures=[-0.5]", "eval.sampling.temperatures"),
+    ("eval.sampling.top_p=0", "eval.sampling.top_p"), ("eval.sampling.top_p=1.5", "eval.sampling.top_p"),
+    ("eval.sampling.top_k=-1", "eval.sampling.top_k"), ("eval.sampling.min_p=2", "eval.sampling.min_p"),
+    ("eval.sampling.samples=0", "eval.sampling.samples"),
+    ("eval.sampling.modes=[clp]", "eval.sampling.modes"),  # commits drafts unverified: cannot sample
+    ("eval.sampling.modes=[tree]", "eval.sampling.modes"),  # not among eval.modes
+])
+@pytest.mark.bad_input
+def test_bad_sampling_settings_are_refused_in_one_line_naming_the_key(compose_cfg, override, key):
+    raw = compose_cfg("backbone=tiny", "eval.modes=[greedy,verify,clp]", override)
+    with pytest.raises(ConfigError, match=rf"^{key}: ") as err:
+        validate(raw, command="eval")
+    assert "\n" not in str(err.value)

@@ -889,3 +889,33 @@ def test_when_no_prompt_fits_the_message_blames_the_setting_that_excluded_them(t
     over = [o for o in over if o not in ("LONG", "DIR")]
     with pytest.raises((ConfigError, DataError), match=message):
         select_prompts(_eval_cfg(tmp_path, f"eval.prompts={f}", *over), tiny_backbone)
+
+
+@pytest.mark.integration
+def test_sampled_modes_report_their_warpers_repeat_with_their_seed_and_leave_greedy_untouched(trained_heads):
+    root = trained_heads
+    greedy_only = run_eval(_eval_cfg(root, "eval.modes=[greedy,verify,tree]", "eval.rounds=2", "force=true"))
+    greedy_outputs = json.loads((root / "eval" / layout.OUTPUTS).read_text())
+    sampled = ("eval.modes=[greedy,verify,tree]", "eval.rounds=2", "eval.sampling.temperatures=[0,0.7]",
+               "eval.sampling.samples=2", "eval.sampling.top_p=0.9")
+    report = run_eval(_eval_cfg(root, *sampled, "force=true"))
+    # temperature 0 is the greedy run, bit for bit
+    assert json.loads((root / "eval" / layout.OUTPUTS).read_text()) == greedy_outputs
+    for name in ("greedy", "verify", "tree"):
+        assert report["modes"][name]["tau"] == greedy_only["modes"][name]["tau"]
+    assert set(report["sampled"]) == {"t0.7"}
+    run = report["sampled"]["t0.7"]
+    assert set(run["modes"]) == {"hf_generate", "greedy", "verify", "tree"}
+    for name, m in run["modes"].items():
+        assert (m["temperature"], m["top_k"], m["top_p"], m["min_p"]) == (0.7, 0, 0.9, None), name
+        assert m["samples_per_prompt"] == 2 and m["n_prompts"] == 3
+        assert {"tau", "speedup_vs_hf", "acceptance", "backbone_nll", "repetition_ratio"} <= set(m)
+        d = run["details"][name]
+        assert len(d["speedup_rounds"]) == 2 and m["speedup_vs_hf"] == pytest.approx(
+            sorted(d["speedup_rounds"])[0] / 2 + sorted(d["speedup_rounds"])[1] / 2)
+    assert run["modes"]["verify"]["tau"] >= 1.0 and len(run["modes"]["verify"]["acceptance"]) == 2
+    assert "nll_z_vs_hf" in run["modes"]["tree"] and "nll_z_vs_hf" not in run["modes"]["hf_generate"]
+    assert (root / "eval" / layout.SAMPLING_PNG).stat().st_size > 0
+    again = run_eval(_eval_cfg(root, *sampled, "force=true"))  # the same seeds: the same samples
+    assert again["sampled"]["t0.7"]["modes"]["tree"]["tau"] == run["modes"]["tree"]["tau"]
+    assert again["sampled"]["t0.7"]["modes"]["tree"]["new_tokens"] == run["modes"]["tree"]["new_tokens"]

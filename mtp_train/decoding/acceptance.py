@@ -71,13 +71,13 @@ class Unverified(AcceptRule):
 class RejectionSampling(AcceptRule):
     """Lossless speculative sampling: the backbone's distribution warped by `warpers`
     (sampling.Warpers), the drafts verified by recursive rejection sampling over the tree, every
-    draw from `generator`."""
+    draw from `generator`. `leniency` < 1: the lossy relaxation (`verify_tree`)."""
 
-    def __init__(self, warpers, generator: torch.Generator | None = None):
-        self.warpers, self.draws = warpers, Draws(generator)
+    def __init__(self, warpers, generator: torch.Generator | None = None, leniency: float = 1.0):
+        self.warpers, self.draws, self.leniency = warpers, Draws(generator), leniency
 
     def accept(self, d: DraftTree, logits: torch.Tensor) -> Kept:
-        path, token = verify_tree(lambda row: self.warpers.probs(logits[row]), d, self.draws)
+        path, token = verify_tree(lambda row: self.warpers.probs(logits[row]), d, self.draws, self.leniency)
         return Kept(path, token)
 
     def next_token(self, logits: torch.Tensor) -> int:

@@ -78,7 +78,11 @@ class Span(PlanSource):
         if self.before or not tree.n:
             return tree
         m = int(self.policy(state.hidden[-1], torch.tensor(tree.probs)))
-        return tree.keep(list(range(min(tree.n, m))))
+        cut = tree.keep(list(range(min(tree.n, m))))
+        # the cut read the drafts: the kept ones are no longer plain draws from q, so speculative
+        # sampling verifies them as chosen outright (lossless for any choice of drafts)
+        cut.proposals = {}
+        return cut
 
 
 class Adaptive(PlanSource):

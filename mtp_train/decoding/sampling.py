@@ -148,14 +148,18 @@ class Draws:
         return int(torch.multinomial(dist, 1, generator=self.generator))
 
 
-def verify_tree(p_at, tree, draws: Draws) -> tuple[list[int], int]:
+def verify_tree(p_at, tree, draws: Draws, leniency: float = 1.0) -> tuple[list[int], int]:
     """One speculative-sampling step over a drafted tree (trees.DraftTree).
 
     p_at(row) -> the backbone's warped distribution (V,) at row 0 (after x) or 1 + v (after node v),
     asked for only on the rows the walk visits. `tree.proposals[u]` is the (V,) distribution u's
     children were drawn from without replacement, in node order (u = -1: the root); a node without
-    one had its children chosen outright. Returns (the kept path's node indices, root first; the
-    token committed after it)."""
+    one had its children chosen outright (a point mass each). Returns (the kept path's node indices,
+    root first; the token committed after it).
+
+    `leniency` < 1 is the lossy relaxation (relaxed mode under sampling): a draft is tested against
+    leniency x its proposal, min(1, p(x) / (leniency q(x))), and a rejection draws from
+    max(0, p - leniency q); 1 is the lossless rule."""
     children: dict[int, list[int]] = {}
     for v, u in enumerate(tree.parents):
         children.setdefault(u, []).append(v)
@@ -166,16 +170,24 @@ def verify_tree(p_at, tree, draws: Draws) -> tuple[list[int], int]:
         for v in children.get(u, ()):
             x = tree.tokens[v]
             if q is None:  # chosen outright: a point mass at x, kept with probability target(x)
-                if draws.coin(target[x]):
+                if draws.coin(torch.clamp(target[x] / leniency, max=1.0)):
                     kept = v
                     break
-                target = _without(target, x)
+                target = _less_at(target, x, leniency)
             else:
-                if draws.coin(accept_chance(target[x], q[x].clamp(min=1e-30))):
+                if draws.coin(accept_chance(target[x], leniency * q[x].clamp(min=1e-30))):
                     kept = v
                     break
-                target, q = residual(target, q), _without(q, x)
+                target, q = residual(target, leniency * q), _without(q, x)
         if kept is None:
             return path, draws.draw(target)
         path.append(kept)
         u, target = kept, p_at(1 + kept)
+
+
+def _less_at(dist: torch.Tensor, token: int, mass: float) -> torch.Tensor:
+    """max(0, dist - mass at `token`), renormalised: the residual after a point mass (mass 1: `dist`
+    without `token`). A rejection there has dist(token) < mass, so something is left."""
+    out = dist.clone()
+    out[token] = torch.clamp(out[token] - mass, min=0.0)
+    return out / out.sum()

@@ -66,21 +66,14 @@ def summarise(name: str, outputs: list[list[int]], results: list, seconds, hf_se
     secs, hf = _per_round(seconds), _per_round(hf_seconds)
     if len(secs) != len(hf):
         raise ValueError(f"{name}: {len(secs)} timing rounds against HF generate's {len(hf)}")
-    steps = sum(r.steps for r in results) if results else 0
-    committed = sum(sum(r.accept_lengths) for r in results) if results else 0
-    reached = [sum(r.reached[j] for r in results) for j in range(k)] if results else []
-    accepted = [sum(r.accepted[j] for r in results) for j in range(k)] if results else []
-    hist = [0] * (k + 1)
-    for r in results:
-        for a in r.accept_lengths:
-            hist[min(a, k + 1) - 1] += 1
+    tau, acceptance, hist = _acceptance(results, k)
     new_tokens = sum(len(o) for o in outputs)
     tokens = list(round_tokens) if round_tokens is not None else [new_tokens] * len(secs)
     speedups = [h / s if s > 0 else 0.0 for h, s in zip(hf, secs, strict=True)]
     rates = [t / s if s > 0 else 0.0 for t, s in zip(tokens, secs, strict=True)]
     rep = {
-        "tau": committed / steps if steps else 1.0,
-        "acceptance": [a / r if r else None for a, r in zip(accepted, reached, strict=True)],
+        "tau": tau,
+        "acceptance": acceptance,
         "tokens_per_s": statistics.median(rates),
         "speedup_vs_hf": statistics.median(speedups),
         "repetition_ratio": sum(map(repetition_ratio, outputs)) / len(outputs),
@@ -103,6 +96,61 @@ def summarise(name: str, outputs: list[list[int]], results: list, seconds, hf_se
         details["first_divergence"] = sum(diffs) / len(diffs) if diffs else None
         rep["identical_to_greedy"] = not diffs
     return rep, details
+
+
+def _acceptance(results: list, k: int) -> tuple[float, list, list[int]]:
+    """From DecodeResults: tau (committed tokens per step), acceptance per depth (kept / reached,
+    None where never reached) and the histogram of tokens committed per step (1..k+1)."""
+    steps = sum(r.steps for r in results)
+    committed = sum(sum(r.accept_lengths) for r in results)
+    reached = [sum(r.reached[j] for r in results) for j in range(k)] if results else []
+    accepted = [sum(r.accepted[j] for r in results) for j in range(k)] if results else []
+    hist = [0] * (k + 1)
+    for r in results:
+        for a in r.accept_lengths:
+            hist[min(a, k + 1) - 1] += 1
+    return (committed / steps if steps else 1.0,
+            [a / r if r else None for a, r in zip(accepted, reached, strict=True)], hist)
+
+
+NOISE_Z = 4.0  # a sampled mode's NLL or repetition this many standard errors from HF's samples' is flagged
+
+
+def z_score(a: list[float], b: list[float]) -> float:
+    """(mean a - mean b) in standard errors of the difference (Welch); 0 for identical constants."""
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    var = (statistics.variance(a) / len(a) if len(a) > 1 else 0.0) + (statistics.variance(b) / len(b) if len(b) > 1 else 0.0)
+    if var == 0:
+        return 0.0 if ma == mb else float("inf") * (1 if ma > mb else -1)
+    return (ma - mb) / var ** 0.5
+
+
+def sampled_summary(outputs: list[list[int]], results: list, seconds: list[float], tokens: list[int],
+                    hf_seconds: list[float], hf_tokens: list[int], nll: list[float], hf_nll: list[float],
+                    hf_outputs: list[list[int]], k: int) -> tuple[dict, dict]:
+    """One sampled mode's report entry and details (evaluation/runner.py: run_sampled), from round
+    1's decodes (`results`: none for HF generate itself) and each round's wall time and new tokens.
+    Samples differ from HF's, so the speedup is a ratio of tokens/s per round; NLL and repetition are
+    compared with HF's samples in standard errors (`z_score`)."""
+    tau, acceptance, hist = _acceptance(results, k)
+    rates = [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds, strict=True)]
+    hf_rates = [t / s if s > 0 else 0.0 for t, s in zip(hf_tokens, hf_seconds, strict=True)]
+    speedups = [r / h if h > 0 else 0.0 for r, h in zip(rates, hf_rates, strict=True)]
+    rep, hf_rep = list(map(repetition_ratio, outputs)), list(map(repetition_ratio, hf_outputs))
+    entry = {"tau": tau, "acceptance": acceptance, "tokens_per_s": statistics.median(rates),
+             "speedup_vs_hf": statistics.median(speedups), "repetition_ratio": statistics.fmean(rep),
+             "backbone_nll": statistics.fmean(nll), "new_tokens": sum(len(o) for o in outputs)}
+    details = {"wall_s_rounds": list(seconds), "speedup_rounds": speedups,
+               "speedup_spread": [min(speedups), max(speedups)], "accept_hist": hist if results else None}
+    if results:
+        entry["nll_z_vs_hf"], entry["repetition_z_vs_hf"] = z_score(nll, hf_nll), z_score(rep, hf_rep)
+        off = [f"{what} {entry[what]:.3f} is {z:+.1f} standard errors from HF's samples' {ref:.3f}"
+               for what, z, ref in (("backbone_nll", entry["nll_z_vs_hf"], statistics.fmean(hf_nll)),
+                                    ("repetition_ratio", entry["repetition_z_vs_hf"], statistics.fmean(hf_rep)))
+               if abs(z) > NOISE_Z]
+        if off:
+            details["not_within_noise"] = "; ".join(off)
+    return entry, details
 
 
 def _per_round(x) -> list[float]:

@@ -29,12 +29,16 @@ class DecodingMode:
     predictor: str | None = None  # the mtp-clp predictor kind it needs (clp.kinds), if any
     tree_stats: bool = False  # it needs the validation's rank statistics (tree_stats.json) to plan its tree
     decoder: bool = True  # run by our decoder (False: HF generate, the reference)
+    # why the mode cannot run under speculative sampling (eval.sampling), or None when it can
+    cannot_sample: str | None = None
 
     def __post_init__(self) -> None:
         if self.drafts not in DRAFT_SOURCES or self.acceptance not in ACCEPTANCE:
             raise ValueError(f"mode {self.name!r}: drafts must be one of {DRAFT_SOURCES} and acceptance one "
                              f"of {ACCEPTANCE}, got {self.drafts!r}, {self.acceptance!r}")
 
+
+UNVERIFIED = "commits drafts unverified: under sampling it would emit the heads' distribution, not the backbone's, and its predictor's labels are greedy acceptances, which say nothing about sampled ones (docs/decoding.md)"
 
 MODES: dict[str, DecodingMode] = {m.name: m for m in (
     DecodingMode("hf_generate", "HF generate, greedy: the reference every mode is timed against",
@@ -48,9 +52,9 @@ MODES: dict[str, DecodingMode] = {m.name: m for m in (
     DecodingMode("relaxed", "keep chain drafts within a probability ratio and drift budget of the "
                  "backbone's choice", "chain", "relaxed", lossless=False),
     DecodingMode("clp", "CLP picks how many drafts to commit unverified", "span", "unverified",
-                 lossless=False, predictor="clp"),
+                 lossless=False, predictor="clp", cannot_sample=UNVERIFIED),
     DecodingMode("gate", "the gate-network baseline picks how many drafts to commit unverified", "span",
-                 "unverified", lossless=False, predictor="gate"),
+                 "unverified", lossless=False, predictor="gate", cannot_sample=UNVERIFIED),
     DecodingMode("clp+verify", "CLP's span caps how many drafts are verified (lossless)", "span", "exact",
                  lossless=True, predictor="clp"),
     DecodingMode("adaptive", "lossless verification of the tree a depth policy picks per step", "adaptive",
@@ -58,6 +62,7 @@ MODES: dict[str, DecodingMode] = {m.name: m for m in (
 )}
 
 EVAL_MODES = tuple(n for n, m in MODES.items() if m.decoder)  # what eval.modes may list
+SAMPLING_MODES = tuple(n for n in EVAL_MODES if MODES[n].cannot_sample is None)  # what eval.sampling.modes may list
 
 
 def mode(name: str) -> DecodingMode:

@@ -8,7 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtp_train.artifacts import write_json_atomic
-from mtp_train.layout import ACCEPTANCE_PNG, EVAL_REPORT, SPEEDUP_PNG, VERIFY_COSTS_PNG
+from mtp_train.layout import (
+    ACCEPTANCE_PNG,
+    EVAL_REPORT,
+    SAMPLING_PNG,
+    SPEEDUP_PNG,
+    VERIFY_COSTS_PNG,
+)
 
 
 def print_table(report: dict) -> None:
@@ -37,10 +43,46 @@ def print_table(report: dict) -> None:
                       f"{d['original_nll_on_original']:.3f} on its own", highlight=False, soft_wrap=True)
     if report.get("rounds", 1) > 1:
         console.print(f"speedup: median of {report['rounds']} timing rounds (min-max in brackets)")
+    if report.get("sampled"):
+        console.print(sampled_table(report))
     for line in report.get("flags") or []:
         console.print(f"[bold red]flag[/]: {line}", highlight=False, soft_wrap=True)
     for line in report.get("divergence") or []:
         console.print(f"[bold yellow]not identical to greedy[/]: {line}", highlight=False, soft_wrap=True)
+
+
+def by_temperature(report: dict) -> dict[str, dict[float, tuple[dict, dict | None]]]:
+    """mode -> {temperature: (entry, details)}: the greedy run at temperature 0 and each sampled run
+    (eval.sampling) at its own, for the modes that sampled."""
+    runs = report.get("sampled") or {}
+    sampled = {n for run in runs.values() for n in run["modes"]}
+    out: dict[str, dict] = {}
+    for name in [n for n in report["modes"] if n in sampled]:
+        out[name] = {0.0: (report["modes"][name], report["details"].get(name))}
+    for run in runs.values():
+        for name, entry in run["modes"].items():
+            out.setdefault(name, {})[run["temperature"]] = (entry, run["details"].get(name))
+    return out
+
+
+def sampled_table(report: dict):
+    """The rich table of tau, speedup and NLL per mode and temperature (0 = greedy)."""
+    from rich.table import Table
+
+    runs = report["sampled"]
+    first = next(iter(runs.values()))
+    warp = ", ".join(f"{k} {first[k]}" for k in ("top_k", "top_p", "min_p") if first[k] not in (0, 1.0, None))
+    t = Table(title=f"speculative sampling against HF generate(do_sample=True){', ' + warp if warp else ''}; "
+                    f"{first['samples_per_prompt']} sample(s) per prompt")
+    for col in ("mode", "T", "tau", "speedup", "acceptance per depth", "NLL", "NLL z vs HF"):
+        t.add_column(col, justify="right" if col != "mode" else "left", no_wrap=True)
+    for name, temps in by_temperature(report).items():
+        for temp, (m, d) in sorted(temps.items()):
+            acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in (m.get("acceptance") or []))
+            z = m.get("nll_z_vs_hf")
+            t.add_row(name, f"{temp:g}", f"{m['tau']:.2f}", format_speedup(m, d), acceptance or "-",
+                      f"{m['backbone_nll']:.3f}", "-" if z is None else f"{z:+.1f}")
+    return t
 
 
 def format_speedup(mode: dict, details: dict | None) -> str:
@@ -99,6 +141,8 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         paths.append(out_dir / ACCEPTANCE_PNG)
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+    if report.get("sampled"):
+        paths.append(_sampling_plot(report, out_dir / SAMPLING_PNG))
     curve = (report.get("decoder") or {}).get("verify_costs")
     if curve:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -129,6 +173,36 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
+
+
+def _sampling_plot(report: dict, path: Path) -> Path:
+    """tau and speedup vs HF per mode against the temperature (0 = greedy), with the rounds' spread."""
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, temps in by_temperature(report).items():
+        if name == "hf_generate":
+            continue
+        ts = sorted(temps)
+        a1.plot(ts, [temps[t][0]["tau"] for t in ts], "o-", label=name)
+        speed = [temps[t][0]["speedup_vs_hf"] for t in ts]
+        spread = [(temps[t][1] or {}).get("speedup_spread") or [s, s] for t, s in zip(ts, speed, strict=True)]
+        a2.errorbar(ts, speed, yerr=[[max(0.0, s - lo) for s, (lo, _) in zip(speed, spread, strict=True)],
+                                     [max(0.0, hi - s) for s, (_, hi) in zip(speed, spread, strict=True)]],
+                    fmt="o-", capsize=3, label=name)
+    a1.set_ylabel("tau (tokens per backbone forward)")
+    a2.set_ylabel("speedup vs HF generate")
+    a2.axhline(1.0, color="grey", lw=0.8)
+    for ax in (a1, a2):
+        ax.set_xlabel("temperature (0 = greedy)")
+        ax.grid(alpha=0.3)
+    a1.set_title("accepted length under sampling")
+    a2.set_title("speedup under sampling")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def save_report(report: dict, out_dir: Path) -> Path:

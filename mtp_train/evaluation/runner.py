@@ -52,12 +52,20 @@ from mtp_train.evaluation.planning import adaptive_policy, plan_trees
 log = logging.getLogger(__name__)
 
 
-def hf_generate(backbone, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+def hf_generate(backbone, prompt: list[int], max_new_tokens: int, eos: list[int], warpers=None,
+                seed: int = 0) -> tuple[list[int], float]:
+    """HF generate's new tokens and wall time: greedy, or with `warpers` (sampling.Warpers) sampled
+    with do_sample=True and the same warpers, from the global generator seeded with `seed`."""
     from transformers import GenerationConfig
 
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                          pad_token_id=backbone.tokenizer.pad_token_id or eos[0])
+    sample = {"do_sample": False} if warpers is None else {
+        "do_sample": True, "temperature": warpers.temperature, "top_k": warpers.top_k, "top_p": warpers.top_p,
+        "min_p": warpers.min_p}
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos,
+                          pad_token_id=backbone.tokenizer.pad_token_id or eos[0], **sample)
     ids = torch.tensor([prompt], device=backbone.device)
+    if warpers is not None:
+        torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = backbone.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
@@ -122,10 +130,12 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     plan = plan_trees(dec, tree_stats, prompts[0], cfg) if k else {}
     costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
 
-    def run_mode(name: str, prompt: list[int], max_new_tokens: int | None = None):
+    def run_mode(name: str, prompt: list[int], max_new_tokens: int | None = None, warpers=None, seed: int = 0):
         m = MODES[name]  # the record takes the options its parts read
         opts = {"delta": cfg.delta, "budget": cfg.budget, "tree": plan.get(m.drafts),
                 "span_policy": span_policies.get(name)}
+        if warpers is not None:
+            opts.update(warpers=warpers, generator=torch.Generator().manual_seed(seed), vocab=dec.weight.shape[0])
         if m.drafts == "adaptive":  # a policy learns as it decodes: a fresh one per prompt
             opts["depth_policy"] = adaptive_policy(plan, cfg)
         return decode(dec, prompt, max_new_tokens or cfg.max_new_tokens, name, **opts)
@@ -191,10 +201,86 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     report["rounds"] = rounds
     report["flags"] = plausibility_flags(report)
     report["divergence"] = divergence_lines(report)
+    if cfg.sampling.temperatures_sampled:
+        report["sampled"] = run_sampled(backbone, prompts, cfg, run_mode, eos, k)
+        report["flags"] += [line for run in report["sampled"].values() for line in run["flags"]]
     for line in report["flags"] + report["divergence"]:
         log.warning("%s", line)
     return report, outputs | {"hf_generate": hf_out}
 
+
+
+def sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of sample j of prompt i (the same at every temperature, in every round and mode)."""
+    return base * 1_000_003 + prompt_index * 1_009 + sample_index
+
+
+def run_sampled(backbone, prompts: list[list[int]], cfg, run_mode, eos: list[int], k: int) -> dict:
+    """eval.sampling: at each temperature > 0, HF generate(do_sample=True) and every sampled mode on
+    eval.sampling.samples seeded samples of every prompt, interleaved and rotated as the greedy
+    rounds are. Returns {"t<T>": run}: a run holds its temperature, warpers and samples, "modes" (per
+    mode: tau, acceptance, tokens_per_s, speedup_vs_hf, repetition_ratio, backbone_nll, the
+    temperature and warpers, n_prompts, samples_per_prompt, new_tokens, and for our modes nll_z_vs_hf
+    / repetition_z_vs_hf: how many standard errors the mode's mean is from HF's samples'), "details"
+    and "flags" (a mode whose NLL or repetition is not within noise of HF's). Outputs differ from HF's
+    sample by sample (different draws), so speedup_vs_hf is a ratio of tokens/s, not of wall time."""
+    from tqdm.auto import tqdm
+
+    from mtp_train.decoding.sampling import Warpers
+    from mtp_train.evaluation.metrics import sampled_summary
+
+    s = cfg.sampling
+    modes = cfg.sampled_modes()
+    names = ["hf_generate", *modes]
+    jobs = [(i, j) for i in range(len(prompts)) for j in range(s.samples)]
+    rounds = getattr(cfg, "rounds", 1)
+    out = {}
+    for temperature in s.temperatures_sampled:
+        w = Warpers(temperature=temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+        for name in modes:  # warm-up: the sampling code paths once
+            run_mode(name, prompts[0], min(16, cfg.max_new_tokens), warpers=w)
+        first = {n: [] for n in names}
+        wall = {n: [0.0] * rounds for n in names}
+        new_tokens = {n: [0] * rounds for n in names}
+        bar = tqdm(total=rounds * len(jobs) * len(names), desc=f"decode T={temperature}", unit="run",
+                   dynamic_ncols=True)
+        for r in range(rounds):
+            for n_job, (i, j) in enumerate(jobs):
+                seed = sample_seed(s.seed, i, j)
+                for name in round_order(names, n_job, r):
+                    t0 = time.perf_counter()
+                    if name == "hf_generate":
+                        res, _ = hf_generate(backbone, prompts[i], cfg.max_new_tokens, eos, warpers=w, seed=seed)
+                        toks = res
+                    else:
+                        res = run_mode(name, prompts[i], warpers=w, seed=seed)
+                        toks = res.tokens
+                    wall[name][r] += time.perf_counter() - t0
+                    new_tokens[name][r] += len(toks)
+                    if r == 0:
+                        first[name].append(res)
+                    bar.update(1)
+        bar.close()
+        sample_prompts = [prompts[i] for i, _ in jobs]
+        hf_out = first["hf_generate"]
+        nll = {n: [backbone_nll(backbone, p, o) for p, o in
+                   zip(sample_prompts, hf_out if n == "hf_generate" else [x.tokens for x in first[n]], strict=True)]
+               for n in names}
+        warpers = {"temperature": temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
+        run = {**warpers, "warpers": warpers, "samples_per_prompt": s.samples, "seed": s.seed, "modes": {},
+               "details": {}, "flags": []}
+        for name in names:
+            outs = hf_out if name == "hf_generate" else [x.tokens for x in first[name]]
+            results = [] if name == "hf_generate" else first[name]
+            entry, details = sampled_summary(
+                outs, results, wall[name], new_tokens[name], wall["hf_generate"], new_tokens["hf_generate"],
+                nll[name], nll["hf_generate"], hf_out, k)
+            entry.update(warpers, n_prompts=len(prompts), samples_per_prompt=s.samples)
+            run["modes"][name], run["details"][name] = entry, details
+            if details.get("not_within_noise"):
+                run["flags"].append(f"{name} at T={temperature}: {details['not_within_noise']}")
+        out[f"t{temperature}"] = run
+    return out
 
 
 def _json_keys(curve: dict) -> dict:

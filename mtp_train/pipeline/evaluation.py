@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -263,6 +264,9 @@ def _run_eval(cfg: Config) -> dict:
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
                                 tree_stats=stats)
+    # the training's predictions of the sampled chain's tau, per temperature (val/sim_tau_t0.7, ...)
+    report["sim_tau_sampled"] = {m[1]: v for key, v in (meta.get("metrics") or {}).items()
+                                 if (m := re.fullmatch(r"val/sim_tau_t(\d+\.\d+)", key))}
     report["machine"] = machine()
     log.info("HF generate in float32 and bfloat16 on a few prompts (for the speedup against the faster)")
     report["hf_dtypes"] = hf_dtype_probe(backbone, prompts, report["eos"], max_new_tokens=32)
