@@ -291,6 +291,10 @@ class TrainConfig:
     # after training, decode with the new heads as mtp-eval does (the eval.* settings) into
     # <run dir>/eval: in a sweep, every point on the same prompts, and the summary shows its tau and speedup
     eval_after: bool = False
+    # validation predicts speculative sampling's accepted length at each of these temperatures
+    # (val/sim_tau_t0.7, ...); a metric only, not part of the recipe
+    # (over a draft vocabulary, each T other than 1 costs one full LM-head projection per validation row)
+    sampled_tau_temperatures: list[float] = field(default_factory=lambda: [1.0])
 
     def __post_init__(self) -> None:
         check_choice(self.data_use, DATA_USES, "train.data_use")
@@ -305,6 +309,11 @@ class TrainConfig:
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check_choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
         check(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
+        temps = list(self.sampled_tau_temperatures)
+        check(all(t > 0 for t in temps), "train.sampled_tau_temperatures",
+              f"each must be > 0 (greedy verification is val/sim_tau), got {temps}")
+        check(len({f"{t:.1f}" for t in temps}) == len(temps), "train.sampled_tau_temperatures",
+              f"must differ at one decimal place (each names a metric val/sim_tau_t<T>), got {temps}")
 
 
 

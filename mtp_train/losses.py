@@ -144,6 +144,21 @@ def acceptance(logits: torch.Tensor, teacher_logits: torch.Tensor,
     return torch.minimum(p, q).sum(dim=-1)  # (B, T, k)
 
 
+def sampled_acceptance(logits: torch.Tensor, teacher_logprobs: torch.Tensor, temperature: float,
+                       log_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """alpha at a temperature: sum_x min(p_T(x), q_T(x)), the chance that a draft drawn from the
+    head's q_T = softmax(logits / T) (as the decoder draws at temperature T) survives speculative
+    sampling against the backbone's p_T(x) = p(x)^(1/T) / sum_v p(v)^(1/T).
+
+    (..., |D|) x 2 -> (...), teacher_logprobs = log p on the heads' vocabulary. log_norm (...) is
+    log sum_v p(v)^(1/T) over the backbone's whole vocabulary (`teacher.tempered_log_norms`; 0 at
+    T = 1); None when the heads' vocabulary is the whole one (then it is computed here)."""
+    q = torch.softmax(_upcast(logits) / temperature, dim=-1)
+    lp = teacher_logprobs.float() / temperature
+    lp = lp - (torch.logsumexp(lp, dim=-1, keepdim=True) if log_norm is None else log_norm.float()[..., None])
+    return torch.minimum(lp.exp(), q).sum(dim=-1)
+
+
 def greedy_agreement(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """(B, T, k) bool: the head's argmax equals the backbone's argmax (greedy verification accepts)."""
     _check_logits(logits, teacher_logits)

@@ -89,3 +89,28 @@ def stats_from_hidden(hidden: torch.Tensor, lm_head) -> dict[str, torch.Tensor]:
     if not parts:
         return backbone_stats(hidden.new_zeros(*shape, 1))
     return {k: torch.cat([p[k] for p in parts]).reshape(shape) for k in parts[0]}
+
+
+@torch.no_grad()
+def tempered_log_norms(lse: torch.Tensor, temperatures, logits: torch.Tensor | None = None,
+                       hidden: torch.Tensor | None = None, lm_head=None) -> torch.Tensor:
+    """log sum_v p_t(v)^(1/T) over the full vocabulary, per temperature T and position: (n_T, ...) float32.
+
+    Tempering p_t by T divides p_t(v)^(1/T) by this sum, which the teacher's log-probabilities on a
+    draft vocabulary cannot give. From the logits (..., V), or from lm_head(hidden) (..., d) in chunks
+    where there are none (the hidden-state cache); lse (...) is log sum_v exp(z_v), so the result is
+    logsumexp(z / T) - lse / T, exactly 0 at T = 1 (no projection for that one).
+    """
+    src = logits if logits is not None else hidden
+    rows = src.detach().reshape(-1, src.shape[-1])  # (n, V) or (n, d)
+    lse = lse.reshape(-1).float()  # (n,)
+    out = torch.zeros(len(temperatures), rows.shape[0], device=rows.device)  # (n_T, n)
+    hot = [i for i, t in enumerate(temperatures) if t != 1.0]
+    V = rows.shape[-1] if logits is not None else lm_head.weight.shape[0]
+    chunk = max(1, _CHUNK_ELEMS // max(V, 1))
+    for s in range(0, rows.shape[0] if hot else 0, chunk):
+        z = (rows[s: s + chunk] if logits is not None else lm_head(rows[s: s + chunk])).float()  # (c, V)
+        for i in hot:
+            t = temperatures[i]
+            out[i, s: s + chunk] = torch.logsumexp(z / t, dim=-1) - lse[s: s + chunk] / t
+    return out.reshape(len(temperatures), *src.shape[:-1])

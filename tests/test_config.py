@@ -390,3 +390,10 @@ def test_bad_sampling_settings_are_refused_in_one_line_naming_the_key(compose_cf
     with pytest.raises(ConfigError, match=rf"^{key}: ") as err:
         validate(raw, command="eval")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["[0]", "[-1.0]", "[0.7,0]"])
+@pytest.mark.bad_input
+def test_a_sampled_metric_temperature_must_be_positive(compose_cfg, value):
+    with pytest.raises(ConfigError, match=r"^train.sampled_tau_temperatures: each must be > 0"):
+        validate(compose_cfg("backbone=tiny", f"train.sampled_tau_temperatures={value}"), command="train")

@@ -6,6 +6,7 @@ The references use scalar torch ops in float64 so that both values and gradients
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -443,3 +444,37 @@ def test_topk_loss_matches_a_per_position_loop_and_its_gradient():
     full = topk_loss(logits, teacher, mask, topk=11)
     kl = kl_loss(logits, teacher, mask)
     torch.testing.assert_close(torch.autograd.grad(full.loss, logits)[0], torch.autograd.grad(kl.loss, logits)[0])
+
+
+def _sampled_alpha_by_loop(full_logits, draft, head_logits, t):
+    """sum_x min(p_T, q_T) position by position, token by token, in float64: p_T(x) = p(x)^(1/T) /
+    sum_v p(v)^(1/T) over the whole vocabulary, x over the draft vocabulary `draft`."""
+    out = torch.zeros(head_logits.shape[:-1], dtype=torch.float64)
+    for idx in itertools.product(*(range(n) for n in head_logits.shape[:-1])):
+        z = full_logits[idx].double().tolist()
+        p = [math.exp(v / t) for v in z]
+        p = [v / sum(p) for v in p]
+        q = [math.exp(v / t) for v in head_logits[idx].double().tolist()]
+        q = [v / sum(q) for v in q]
+        out[idx] = sum(min(p[x], q[i]) for i, x in enumerate(draft))
+    return out
+
+
+@pytest.mark.parametrize("t", [0.5, 0.7, 1.0, 1.5])
+def test_sampled_acceptance_equals_a_token_by_token_loop(t):
+    from mtp_train.losses import sampled_acceptance
+    from mtp_train.teacher import tempered_log_norms
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 7, generator=g) * 2  # the heads' scores of 7 draft tokens
+    full = torch.randn(3, 2, 9, generator=g) * 2  # the backbone's logits over V = 9
+    draft = [0, 2, 3, 4, 6, 7, 8]
+    teacher = torch.log_softmax(full, -1)[..., draft]
+    norm = tempered_log_norms(torch.logsumexp(full, -1), [t], logits=full)[0]
+    got = sampled_acceptance(logits, teacher, t, norm)
+    torch.testing.assert_close(got.double(), _sampled_alpha_by_loop(full, draft, logits, t), atol=1e-5, rtol=0)
+    whole = sampled_acceptance(full, torch.log_softmax(full, -1), t)  # the whole vocabulary, q == p
+    torch.testing.assert_close(whole, torch.ones_like(whole), atol=1e-5, rtol=0)  # always kept
+    if t != 1.0:  # the temperature is applied, and the whole vocabulary's normaliser is what it needs
+        assert (got - sampled_acceptance(logits, teacher, 1.0, torch.zeros_like(norm))).abs().max() > 1e-3
+        assert (got - sampled_acceptance(logits, teacher, t)).abs().max() > 1e-3  # renormalised over D only

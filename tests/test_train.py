@@ -64,13 +64,17 @@ def test_training_changes_only_the_heads_and_saves_only_them(typed_cfg, tmp_path
         return bb
 
     monkeypatch.setattr(backbone_mod, "load_backbone", spying_load)
-    cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=ce", "train.lr=1e-2")
+    cfg = typed_cfg(*FAST, "heads=medusa", "heads.k=2", "loss=ce", "train.lr=1e-2",
+                    "train.sampled_tau_temperatures=[0.7,1.0]")
     metrics = run_train(cfg)
     run = tmp_path / "out"
     saved = load_file(str(run / "heads.safetensors"))
     meta = json.loads((run / "heads.json").read_text())
     assert meta["head_type"] == "medusa" and meta["k"] == 2
     assert meta["backbone"]["hidden_size"] == 64 and meta["metrics"]["val/sim_tau"] == metrics["val/sim_tau"]
+    for t in ("0.7", "1.0"):  # speculative sampling's predicted tau, beside greedy's
+        assert 1.0 <= meta["metrics"][f"val/sim_tau_t{t}"] <= 3.0
+    assert meta["metrics"]["val/sim_tau_t0.7"] != meta["metrics"]["val/sim_tau_t1.0"]
     assert saved and all(k.startswith("blocks.") for k in saved)
     assert any(t.abs().sum() > 0 for k, t in saved.items() if k.endswith("linear.weight"))  # trained
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

@@ -8,7 +8,9 @@ function that decides what a heads file holds. One `model_step` serves training 
 Logged per depth j (keys `split/name_dj`): loss, acc (argmax == data token), agree (argmax == the
 backbone's own greedy token), alpha (1 - TV), masked (AdaMTP fraction dropped) and `val/sim_tau`:
 the accepted length greedy verification would reach on these teacher-forced positions,
-1 + mean_t sum_j prod_{i<=j} agree_{t,i}, over positions where all k depths have a target.
+1 + mean_t sum_j prod_{i<=j} agree_{t,i}, over positions where all k depths have a target;
+`val/sim_tau_t<T>` for each train.sampled_tau_temperatures: the same with agree replaced by
+sum_x min(p_T, q_T), what speculative sampling of a chain at temperature T would accept.
 
 Validation also records rank statistics for token trees (`mtp_train.trees`): at positions whose
 k-token window lies on the backbone's greedy path (so the heads see what decoding shows them), the
@@ -27,9 +29,16 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from mtp_train.config import LoraConfig, LossConfig, TrainConfig
 from mtp_train.depth_targets import depth_targets
 from mtp_train.errors import MtpError
-from mtp_train.losses import LossOutput, acceptance, backbone_distill_loss, compute_loss, topk_loss
+from mtp_train.losses import (
+    LossOutput,
+    acceptance,
+    backbone_distill_loss,
+    compute_loss,
+    sampled_acceptance,
+    topk_loss,
+)
 from mtp_train.segmentation import adamtp_mask_from_entropy, masked_fraction
-from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs
+from mtp_train.teacher import backbone_stats, positions_ahead, teacher_log_probs, tempered_log_norms
 from mtp_train.trees import (
     ENTROPY_EDGES,
     RankStats,
@@ -64,7 +73,7 @@ class MTPHeadsModule(L.LightningModule):
             if self.adapters is None:
                 raise MtpError("backbone.lora.enabled is set, but the backbone carries no LoRA layers")
         self.k = heads.k
-        self._val_chain = []
+        self._val_chain, self._val_sampled = [], {}
         self._val_ranks, self._val_dense = [], None
         self.max_rank = RankStats.rank_cap(self.k)
         self.rank_stats: RankStats | None = None
@@ -123,6 +132,10 @@ class MTPHeadsModule(L.LightningModule):
                                         logits=full if heads.draft_ids is None else None)[None]
             b, pos = positions_ahead(rows, self.k)  # (N, 1), (N, k)
             bb_top = stats["top"][b, pos][None]  # (1, N, k) the backbone's greedy token per depth
+            log_norms = None  # for val/sim_tau_t<T> over a draft vocabulary: (n_T, N, k)
+            if split == "val" and heads.draft_ids is not None:
+                log_norms = tempered_log_norms(stats["lse"], self.train_cfg.sampled_tau_temperatures, logits=full,
+                                               hidden=hidden, lm_head=lm_head)[:, b, pos]
         mask = valid[rows][None]  # (1, N, k)
         target_tok = targets[rows][None]  # (1, N, k) token ids
         if self.loss_cfg.adamtp:
@@ -163,7 +176,7 @@ class MTPHeadsModule(L.LightningModule):
             bad = [j + 1 for j in range(self.k) if not torch.isfinite(out.per_depth[j])]
             raise NonFiniteLoss(f"non-finite {name} loss at step {self.global_step} "
                                 f"({split}), depth(s) {bad or 'all'}; the last good checkpoint is kept")
-        self._log_metrics(split, out, logits.detach(), teacher, target_tok, bb_top, valid[rows][None])
+        self._log_metrics(split, out, logits.detach(), teacher, target_tok, bb_top, valid[rows][None], log_norms)
         if split == "val":
             self._collect_ranks(logits.detach()[0], bb_top[0], valid[rows], ids, stats, rows)
         return out.loss
@@ -200,7 +213,7 @@ class MTPHeadsModule(L.LightningModule):
         return sum(p.sum() * 0.0 for p in self.parameters())
 
     @torch.no_grad()
-    def _log_metrics(self, split, out, logits, teacher, targets, bb_top, valid) -> None:
+    def _log_metrics(self, split, out, logits, teacher, targets, bb_top, valid, log_norms=None) -> None:
         top = self.heads.to_tokens(logits.argmax(-1))  # (1, N, k) token ids
         acc = (top == targets) & valid
         agree = (top == bb_top) & valid
@@ -220,6 +233,12 @@ class MTPHeadsModule(L.LightningModule):
             full = valid.all(-1)  # (1, N): positions with every depth's target
             chain = agree[full].float().cumprod(-1).sum(-1)  # (M,) accepted drafts per position
             self._val_chain.append(chain.cpu())
+            for i, t in enumerate(self.train_cfg.sampled_tau_temperatures):  # expected accepted drafts at t
+                norm = None if log_norms is None else log_norms[i][full[0]]  # (M, k)
+                alpha_t = torch.stack([sampled_acceptance(logits[0, full[0], j], teacher[0, full[0], j], t,
+                                                          None if norm is None else norm[:, j])
+                                       for j in range(self.k)], -1)  # (M, k), one depth at a time
+                self._val_sampled.setdefault(t, []).append(alpha_t.cumprod(-1).sum(-1).cpu())
 
     @torch.no_grad()
     def _collect_ranks(self, logits, bb_top, valid, ids, stats, rows) -> None:
@@ -241,17 +260,13 @@ class MTPHeadsModule(L.LightningModule):
         self.model_step(batch, "val")
 
     def on_validation_epoch_start(self) -> None:
-        self._val_chain = []
+        self._val_chain, self._val_sampled = [], {}
         self._val_ranks, self._val_dense = [], None
 
     def on_validation_epoch_end(self) -> None:
-        chain = torch.cat(self._val_chain) if self._val_chain else torch.zeros(0)
-        # exact over ranks: the sum and the count of every rank's positions, reduced, then divided
-        totals = torch.tensor([chain.sum().item(), float(chain.numel())], device=self.device,
-                              dtype=torch.float64)
-        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
-        sim_tau = 1.0 + (totals[0] / totals[1]).item() if totals[1] > 0 else 1.0
-        self.log("val/sim_tau", sim_tau, prog_bar=True)
+        self.log("val/sim_tau", self._mean_tau(self._val_chain), prog_bar=True)
+        for t in self.train_cfg.sampled_tau_temperatures:
+            self.log(f"val/sim_tau_t{t:.1f}", self._mean_tau(self._val_sampled.get(t, [])))
         n_cells = (len(ENTROPY_EDGES) + 1) * (self.max_rank + 1) ** self.k
         dense = self._val_dense if self._val_dense is not None else torch.zeros(
             len(ENTROPY_EDGES) + 1, n_cells // (len(ENTROPY_EDGES) + 1), dtype=torch.long, device=self.device)
@@ -262,6 +277,15 @@ class MTPHeadsModule(L.LightningModule):
         # this rank's positions (all of them with one process)
         self.log("val/sim_tau_tree", cross_fit_tau(rows, TREE_METRIC_NODES, self.max_rank))
         self._wandb_depth_chart()
+
+    def _mean_tau(self, chains: list[torch.Tensor]) -> float:
+        """1 + the mean accepted drafts per position over every rank's positions, exactly: the sum
+        and the count of each rank's, reduced, then divided."""
+        chain = torch.cat(chains) if chains else torch.zeros(0)
+        totals = torch.tensor([chain.double().sum().item(), float(chain.numel())], device=self.device,
+                              dtype=torch.float64)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return 1.0 + (totals[0] / totals[1]).item() if totals[1] > 0 else 1.0
 
     def _wandb_depth_chart(self) -> None:
         """A per-depth acceptance bar chart in W&B (agreement with the backbone and 1 - TV)."""

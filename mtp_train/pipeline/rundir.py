@@ -20,6 +20,10 @@ from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
 log = logging.getLogger(__name__)
 
 
+# train.* keys that change neither the heads nor their checkpoints: outside the recipe hash
+METRIC_ONLY = ("num_workers", "use_cache", "eval_after", "sampled_tau_temperatures")
+
+
 def recipe_keys(cfg: Config) -> tuple[str, str]:
     """(recipe, finished) hashes of a training run, computed without loading anything.
 
@@ -32,7 +36,7 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
     from mtp_train.backbone import backbone_identity
 
     structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
-    train = {k: v for k, v in structured(cfg.train).items() if k not in ("num_workers", "use_cache", "eval_after")}
+    train = {k: v for k, v in structured(cfg.train).items() if k not in METRIC_ONLY}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
     lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
     recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
