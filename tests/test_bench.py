@@ -62,6 +62,7 @@ def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypat
     assert {r["recipe"] for r in rows} == {"kl_random", "medusa_kl_lr3e-3"}
     assert rows[0]["sim_tau"] >= rows[1]["sim_tau"] and all(r["steps"] == 2 for r in rows)
     assert all(len(r["acc"]) == len(r["alpha"]) == 2 and None not in r["acc"] + r["alpha"] for r in rows)
+    assert all(1.0 <= r["sim_tau_t1.0"] <= 3.0 for r in rows)  # speculative sampling's, beside greedy's
     assert json.loads((tmp_path / "rec" / "medusa_kl_lr3e-3" / "heads.json").read_text())["head_type"] == "medusa"
     with pytest.raises(SystemExit):
         recipes.main(["--only", "nonsense"])
