@@ -68,8 +68,9 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
                 top_lp, top_idx = lp.topk(min(width, lp.shape[-1]), -1)
             else:
                 top_lp, top_idx, q = sampler.pick(lp, width)
+                q = _on_vocabulary(drafter, q, vocab)  # all parents' rows at once
                 for u, dist in zip(parents, q, strict=True):
-                    tree.proposals[u] = _on_vocabulary(drafter, dist, vocab)
+                    tree.proposals[u] = dist
             tok = drafter.to_tokens(top_idx).tolist()
             row = {u: i for i, u in enumerate(parents)}
             top_lp = top_lp.tolist()
@@ -103,8 +104,9 @@ def draft_tree(drafter, tokens: torch.Tensor, hidden: torch.Tensor, plan, max_de
 
 
 def _on_vocabulary(drafter, q: torch.Tensor, vocab: int | None) -> torch.Tensor:
-    """A distribution over the draft vocabulary (|D|,) as one over the backbone's (V,) (zero outside)."""
-    ids = drafter.to_tokens(torch.arange(q.shape[-1], device=q.device))
-    if vocab is None or (vocab == q.shape[-1] and torch.equal(ids, torch.arange(vocab, device=q.device))):
+    """Distributions over the draft vocabulary (rows, |D|) as ones over the backbone's (rows, V)
+    (zero outside)."""
+    if vocab is None or vocab == q.shape[-1]:  # no draft vocabulary: the identity map
         return q
-    return torch.zeros(vocab, dtype=q.dtype, device=q.device).index_copy_(0, ids, q)
+    ids = drafter.to_tokens(torch.arange(q.shape[-1], device=q.device))
+    return q.new_zeros(q.shape[0], vocab).index_copy_(1, ids, q)
