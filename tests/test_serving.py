@@ -253,3 +253,18 @@ def test_a_recipe_is_read_without_the_other_commands_settings(typed_cfg, tmp_pat
     (tmp_path / "run_config.yaml").write_text(OmegaConf.to_yaml(raw))
     with pytest.raises(MtpError, match="not a config of this version"):
         load_recipe(tmp_path)
+
+
+def test_an_export_of_a_tied_embedding_backbone_writes_each_tensor_on_its_own(tmp_path):
+    """A backbone that ties its embedding to its LM head hands the export one tensor under two names
+    (eagle3 without a draft vocabulary: embed_tokens and lm_head); safetensors refuses shared storage,
+    so each name must get its own copy, with equal values."""
+    from mtp_train.pipeline.serving import WEIGHTS_FILE, write_export
+
+    tied = torch.randn(7, 4)
+    write_export(tmp_path, {"architectures": ["x"]}, {"embed_tokens.weight": tied, "lm_head.weight": tied,
+                                                       "fc.weight": torch.ones(4, 12)})
+    back = load_file(str(tmp_path / WEIGHTS_FILE))
+    assert set(back) == {"embed_tokens.weight", "lm_head.weight", "fc.weight"}
+    assert torch.equal(back["embed_tokens.weight"], tied) and torch.equal(back["lm_head.weight"], tied)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"architectures": ["x"]}

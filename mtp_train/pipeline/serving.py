@@ -133,7 +133,17 @@ def write_export(tmp: Path, config: dict, state: dict[str, torch.Tensor]) -> Non
     from mtp_train.artifacts import check_finite
 
     check_finite(state, str(tmp / WEIGHTS_FILE))
-    save_file({n: t.detach().contiguous().cpu() for n, t in state.items()}, str(tmp / WEIGHTS_FILE))
+    # a backbone that ties its embedding to its head hands both in as one tensor; safetensors refuses
+    # shared storage, and the engine reads each name on its own, so each gets its own copy
+    seen: set[int] = set()
+    tensors = {}
+    for name, t in state.items():
+        t = t.detach().contiguous().cpu()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    save_file(tensors, str(tmp / WEIGHTS_FILE))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
