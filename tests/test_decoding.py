@@ -350,3 +350,20 @@ def test_measured_layout_covers_every_weight_and_keeps_decoding_lossless(tiny_ba
             assert len(choice) == len(ROW_BUCKETS) and choice[1] is False  # not measured: F.linear
     prompt = _prompts(1, seed=12)[0]
     assert decode(dec, prompt, 20, "verify").tokens == decode(Decoder(bb, eos_ids=[]), prompt, 20, "greedy").tokens
+
+
+def test_drafting_past_the_budget_drafts_every_head_to_the_end_as_the_engine_does(tiny_backbone):
+    """`draft_past_budget` (mtp-serve-check, vLLM's way): the last steps draft all K heads though
+    the token budget ends inside the chain, count what they keep, and the output is still cut at
+    max_new_tokens, equal to greedy's."""
+    bb = tiny_backbone
+    prompt, new = _prompts(1, seed=5)[0], 31  # 1 + 7 steps x 4 + a last step with room for 1 draft
+    ref = decode(Decoder(bb, eos_ids=[]), prompt, new + K + 1, "greedy")
+    drafter = ScriptedDrafter(prompt + ref.tokens, [True] * K, bb.vocab_size)
+    cut = decode(Decoder(bb, eos_ids=[], drafter=drafter), prompt, new, "verify")
+    assert cut.drafted == [K] * 7 + [1] and cut.accepted == [8, 7, 7]
+    full_dec = Decoder(bb, eos_ids=[], drafter=drafter)
+    full_dec.draft_past_budget = True
+    full = decode(full_dec, prompt, new, "verify")
+    assert full.tokens == cut.tokens == ref.tokens[:new]
+    assert full.drafted == [K] * 8 and full.accepted == [8, 8, 8]

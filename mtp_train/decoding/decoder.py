@@ -80,6 +80,8 @@ class _State:
 class Decoder:
     """Decode one prompt at a time with a frozen backbone (a `backbone.Backbone`) and optional heads."""
 
+    draft_past_budget = False  # True: every step drafts all k heads, near max_new_tokens too (as vLLM)
+
     def __init__(self, backbone, heads=None, eos_ids: list[int] | None = None, drafter=None,
                  matmul: MatmulPlan | None = None):
         """`drafter` replaces the heads' own (tests); `matmul` routes small-batch linears (None: each
@@ -166,7 +168,9 @@ class Decoder:
         res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         while not self._done(st.new, max_new_tokens):
-            room = max_new_tokens - len(st.new) - 1  # no draft past the token budget
+            # no draft past the token budget, unless drafting as vLLM does (it drafts the full chain
+            # up to the last step and counts what is accepted past max_tokens): mtp-serve-check
+            room = k if self.draft_past_budget else max_new_tokens - len(st.new) - 1
             plan = drafts.plan(k, st)
             d = (draft_tree(self.drafter, st.tokens, st.hidden, plan, room, st.aux, drafts.sampler)
                  if self.drafter else DraftTree())
