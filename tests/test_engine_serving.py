@@ -16,9 +16,8 @@ from tests.test_cache import FAST
 pytestmark = [pytest.mark.engine, pytest.mark.integration]
 
 
-@pytest.fixture(scope="module")
-def eagle3_run(tmp_path_factory):
-    """Tiny EAGLE-3 heads trained until they draft well (the tiny backbone's outputs are easy)."""
+def _trained(tmp_path_factory, *overrides):
+    """Tiny heads trained until they draft well (the tiny backbone's outputs are easy)."""
     from hydra import compose, initialize_config_dir
 
     from mtp_train.cli.common import CONF_DIR
@@ -28,12 +27,17 @@ def eagle3_run(tmp_path_factory):
     run = root / "run"
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         raw = compose(config_name="config", overrides=[
-            f"paths.root_dir={root}", *FAST, "heads=eagle3", "heads.k=3", "trainer.max_steps=150",
-            # 5 layers for three auxiliary layers; 2 heads of 32: the engine's CPU attention has no head size 16
-            "backbone.tiny.num_layers=5", "backbone.tiny.num_heads=2", "heads.aux_layers=[1,2,4]",
+            f"paths.root_dir={root}", *FAST, "heads.k=3", "trainer.max_steps=150",
+            # 2 heads of 32: the engine's CPU attention has no kernel for the default head size 16
+            "backbone.tiny.num_layers=5", "backbone.tiny.num_heads=2", *overrides,
             "trainer.val_check_interval=150", f"hydra.run.dir={run}", f"paths.output_dir={run}"])
     run_train(validate(raw))
     return run
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(tmp_path_factory):
+    return _trained(tmp_path_factory, "heads=eagle3", "heads.aux_layers=[1,2,4]")  # 5 layers: 3 aux layers
 
 
 def _engine_processes() -> list[int]:
@@ -76,4 +80,13 @@ def test_a_broken_export_fails_the_comparison_and_names_a_cause(eagle3_run, tmp_
     assert r["tampered"] and not r["agree"]
     assert cause in " ".join(r["causes"])
     assert r["identical"]  # still lossless: only the drafts got worse
+    assert _engine_processes() == []
+
+
+def test_served_medusa_heads_are_lossless_and_counted_as_we_count(tmp_path_factory, tmp_path):
+    run = _trained(tmp_path_factory, "heads=medusa")
+    r = _check(run, tmp_path)
+    assert r["format"] == "medusa" and r["identical"], r["causes"]
+    assert r["engine_tau"] > 1.3
+    assert r["agree"], (r["engine_tau"], r["ours_tau"], r["engine_accept_per_pos"], r["ours_accept_per_pos"])
     assert _engine_processes() == []
