@@ -362,8 +362,6 @@ def test_drafting_past_the_budget_drafts_every_head_to_the_end_as_the_engine_doe
     drafter = ScriptedDrafter(prompt + ref.tokens, [True] * K, bb.vocab_size)
     cut = decode(Decoder(bb, eos_ids=[], drafter=drafter), prompt, new, "verify")
     assert cut.drafted == [K] * 7 + [1] and cut.accepted == [8, 7, 7]
-    full_dec = Decoder(bb, eos_ids=[], drafter=drafter)
-    full_dec.draft_past_budget = True
-    full = decode(full_dec, prompt, new, "verify")
+    full = decode(Decoder(bb, eos_ids=[], drafter=drafter, draft_past_budget=True), prompt, new, "verify")
     assert full.tokens == cut.tokens == ref.tokens[:new]
     assert full.drafted == [K] * 8 and full.accepted == [8, 8, 8]

@@ -80,12 +80,13 @@ class _State:
 class Decoder:
     """Decode one prompt at a time with a frozen backbone (a `backbone.Backbone`) and optional heads."""
 
-    draft_past_budget = False  # True: every step drafts all k heads, near max_new_tokens too (as vLLM)
 
     def __init__(self, backbone, heads=None, eos_ids: list[int] | None = None, drafter=None,
-                 matmul: MatmulPlan | None = None):
+                 matmul: MatmulPlan | None = None, draft_past_budget: bool = False):
         """`drafter` replaces the heads' own (tests); `matmul` routes small-batch linears (None: each
-        Decoder measures its own plan on first use)."""
+        Decoder measures its own plan on first use); `draft_past_budget`: every step drafts all k
+        heads, near max_new_tokens too, as vLLM does (mtp-serve-check counts as the engine counts)."""
+        self.draft_past_budget = draft_past_budget
         self.backbone = backbone
         self.base = backbone.model.base_model  # transformer without the LM head
         self.weight = backbone.lm_head.weight.detach()  # (V, d)

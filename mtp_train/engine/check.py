@@ -23,7 +23,9 @@ import json
 import logging
 import os
 import re
+import select
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -66,8 +68,6 @@ class EngineWorker:
             raise
 
     def _read(self, timeout: float) -> dict:
-        import select
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
@@ -229,6 +229,7 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
                 build_env: bool = True, tamper: str | None = None, memory_fraction: float = 0.25) -> dict:
     """Run the check on `run_dir` (trained heads) and return (and write) its serve_check.json."""
     import torch
+    from tqdm.auto import tqdm
 
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.backbone import eos_ids, load_backbone
@@ -280,8 +281,7 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
     prompts, _ = select_prompts(cfg, backbone)
     eos = eos_ids(backbone.model, backbone.tokenizer)
     k = heads.k
-    dec = Decoder(backbone, heads, eos_ids=eos)
-    dec.draft_past_budget = True  # the engine drafts the full chain to the end and counts it all
+    dec = Decoder(backbone, heads, eos_ids=eos, draft_past_budget=True)  # the engine's way of counting
     spec = {"model": serving["backbone"], "max_tokens": max_new_tokens, "eos": eos,
             "max_model_len": max(map(len, prompts)) + max_new_tokens + k + 16, "memory_fraction": memory_fraction,
             "engines": {"without": {}, "with": {"speculative_config": {
@@ -292,7 +292,6 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
     first: dict[str, list] = {n: [] for n in names}
     wall = {n: [0.0] * rounds for n in names}
     made = {n: [0] * rounds for n in names}
-    from tqdm.auto import tqdm
 
     with EngineWorker(python, spec, out / ENGINE_LOG) as worker:
         for which in ("without", "with"):  # warm-up: one short decode each, outside the counters
@@ -328,7 +327,6 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
     with_out, without_out = first["engine_with"], first["engine_without"]
     identical = with_out == without_out
     ours_out = [r.tokens for r in first["ours"]]
-    import statistics
 
     def rate(name):
         return statistics.median(t / s if s else 0.0 for t, s in zip(made[name], wall[name], strict=True))

@@ -10,6 +10,7 @@ tens of minutes on 2 cores (most of it downloading and unpacking); its log is ke
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -103,6 +104,4 @@ def describe(exe: Path) -> dict:
     if done.returncode != 0:
         raise MtpError(f"{exe}: the engine environment does not import vllm ({done.stderr.strip()[-300:]}); "
                        f"remove {exe.parents[1]} to build it again")
-    import json
-
     return {"package": f"{PACKAGE}=={VERSION}", **json.loads(done.stdout.strip().splitlines()[-1])}
