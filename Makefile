@@ -57,7 +57,7 @@ engine-env: $(STAMP)
 	$(PY) -c "from mtp_train.engine import env; env.check_cpu(); print(env.describe(env.ensure_env()))"
 
 # the engine checks (marker engine): the tiny model's exported heads served in vLLM, its counters
-# against our decoder's, and a broken export that must fail the comparison (a few minutes)
+# against our decoder's, and a broken export that must fail the comparison (about 5 minutes)
 serve-check: engine-env
 	$(PY) -m pytest -m engine $(PYTEST_ARGS)
 
