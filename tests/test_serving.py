@@ -268,3 +268,34 @@ def test_an_export_of_a_tied_embedding_backbone_writes_each_tensor_on_its_own(tm
     assert set(back) == {"embed_tokens.weight", "lm_head.weight", "fc.weight"}
     assert torch.equal(back["embed_tokens.weight"], tied) and torch.equal(back["lm_head.weight"], tied)
     assert json.loads((tmp_path / "config.json").read_text()) == {"architectures": ["x"]}
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path):
+    """An export replaces its directory whole: --out naming the run, a directory holding the run, a
+    user's non-empty directory or a file is refused in one line, and every file is still there."""
+    from mtp_train.cli.export import main
+    from mtp_train.errors import MtpError
+    from mtp_train.pipeline.serving import export_for_engine
+
+    cfg, run = _train(typed_cfg, tmp_path, "heads=medusa", "heads.k=2")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "served.txt"
+    a_file.write_text("keep me too")
+    for out, why in ((run, r"the run directory .* is this directory"),
+                     (tmp_path, r"the run directory .* is inside it"),
+                     (mine, r"a directory with files in it that is not an earlier export"),
+                     (a_file, r"a file is there")):
+        with pytest.raises(MtpError, match=why):
+            export_for_engine(run, "medusa", out)
+        assert main([str(run), "--format", "medusa", "--out", str(out)]) == 2
+    assert (mine / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.parent != mine
+                  and p not in (mine, a_file)) == before
+    (tmp_path / "empty").mkdir()
+    out = export_for_engine(run, "medusa", tmp_path / "empty")  # an empty directory, then over itself
+    assert export_for_engine(run, "medusa", out) == out and (out / "mtp_serving.json").is_file()

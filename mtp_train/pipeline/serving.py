@@ -61,6 +61,8 @@ def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     if fmt not in EXPORT_FORMATS or fmt == "native":
         raise MtpError(f"--format: {fmt!r} is not an engine format (choose from eagle3, medusa)")
     run_dir = Path(run_dir)
+    out = Path(out) if out is not None else run_dir / f"export-{fmt}"
+    check_destination(out, run_dir)  # before any loading: a refused --out costs nothing
     meta_file = run_dir / layout.HEADS_META
     if not (run_dir / layout.HEADS_FILE).is_file() or not meta_file.is_file():
         raise MtpError(f"{run_dir}: no trained heads here ({layout.HEADS_FILE} and {layout.HEADS_META}); "
@@ -78,7 +80,6 @@ def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     trained = (meta.get("recipe") or {}).get("steps", 0) >= 1 or "exported_from" in (meta.get("metrics") or {})
     if not trained:
         raise MtpError(f"{meta_file}: records no training step; these heads are untrained (run mtp-train)")
-    out = Path(out) if out is not None else run_dir / f"export-{fmt}"
     return write_for_engine(heads, backbone, cfg.backbone, fmt, out, source=run_dir)
 
 
@@ -90,6 +91,7 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     if fmt == "eagle3":
         check_engine_layers(heads.aux_layers, source or out)
     out = Path(out)
+    check_destination(out, source)
     tmp = temp_dir_for(out)
     tmp.mkdir(parents=True)
     from mtp_train.adapters import has_adapters, merged_backbone
@@ -125,6 +127,26 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
         log.warning("%s", note)
     log.info("%s heads written to %s; serve them with the backbone at %s", fmt, out, serve_dir)
     return out
+
+
+def check_destination(out: Path, run_dir: Path | None) -> None:
+    """An export replaces its directory whole, so it writes only where that loses nothing: a new or
+    empty directory, or an earlier export (it holds SERVING_FILE); never the run itself, nor a
+    directory that holds the run, nor a non-empty directory of someone else's, nor over a file."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise MtpError(f"--out {out}: a file is there; name a directory for the export (it is never "
+                       "written over a file)")
+    if run_dir is not None:
+        run, target = Path(run_dir).resolve(), out.resolve()
+        if target == run or target in run.parents:
+            raise MtpError(f"--out {out}: the run directory {run_dir} is {'this directory' if target == run else 'inside it'}; "
+                           "an export replaces the directory it is written to and would delete the run's "
+                           f"files. Leave --out out (default <run>/export-<format>) or name a new directory")
+    if out.is_dir() and not (out / SERVING_FILE).is_file() and any(out.iterdir()):
+        raise MtpError(f"--out {out}: a directory with files in it that is not an earlier export (no "
+                       f"{SERVING_FILE}); an export replaces its directory whole, so it writes only to a "
+                       "new or empty directory or over an earlier export")
 
 
 def write_export(tmp: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
