@@ -74,6 +74,24 @@ def load_weights(path: Path) -> dict:
     return state
 
 
+def check_state_matches(state: dict, expected: dict, where: str) -> None:
+    """Refuse a loaded state whose tensors would load wrongly into `expected` (a module's own
+    state_dict): a shape that differs, or an integer tensor where a float one belongs (torch would
+    cast it silently: weights saved as int32 load as all zeros) or a float where an index map
+    belongs. Names the first such tensor."""
+    for name, t in state.items():
+        want = expected.get(name)
+        if want is None:
+            continue
+        if tuple(t.shape) != tuple(want.shape):
+            raise MtpError(f"{where}: {name} has shape {list(t.shape)}, these heads expect {list(want.shape)}")
+        if t.is_floating_point() != want.is_floating_point():
+            kind = "floating-point" if want.is_floating_point() else "integer"
+            raise MtpError(f"{where}: {name} is {str(t.dtype).removeprefix('torch.')}, these heads expect a {kind} "
+                           f"tensor ({str(want.dtype).removeprefix('torch.')}); the file was not written by mtp-train, "
+                           "or was converted wrongly")
+
+
 def read_manifest(directory: Path) -> dict | None:
     return read_json(Path(directory) / MANIFEST)
 

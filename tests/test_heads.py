@@ -362,3 +362,47 @@ def test_a_bf16_copy_of_chained_heads_keeps_float32_rotary_frequencies(tiny_back
     for n, b in half.named_buffers():
         if n in fp32:
             assert b.dtype == torch.float32 and torch.equal(b, fp32[n]), n
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("damage, message", [
+    ("int32", r"blocks\.0\.\S+ is int32, these heads expect a floating-point tensor"),
+    ("shape", r"has shape \[\d+, \d+\], these heads expect \[\d+, \d+\]"),
+    ("ids_out_of_range", r"draft_ids holds token id 1000000, outside this backbone's vocabulary \[0, 259\)"),
+    ("ids_negative", r"draft_ids holds token id -1, outside"),
+    ("ids_duplicated", r"draft_ids is not strictly ascending at index 2 \(7, 7\)"),
+    ("ids_float", r"draft_ids must be a 1-D integer tensor"),
+    ("k_string", r"heads\.k is '2'; expected int"),
+    ("k_bool", r"heads\.k is True; expected int"),
+])
+def test_damaged_heads_files_are_refused_naming_the_tensor_or_key(tiny_backbone, tmp_path, damage, message):
+    """What torch or the dataclass would take silently (int32 weights cast to zeros, ids that index
+    out of the vocabulary, a k that is a string) is refused in one line naming the tensor or key."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.errors import MtpError
+    from mtp_train.heads.persist import heads_state_dict, load_heads
+
+    cfg = HeadsConfig(type="chained", k=2, draft_vocab=6)
+    state = heads_state_dict(build_heads(cfg, tiny_backbone, draft_ids=torch.tensor([3, 7, 8, 40, 100, 258])))
+    meta = {"heads": dataclasses.asdict(cfg), "backbone": {"hidden_size": 64, "vocab_size": 259,
+                                                            "fingerprint": tiny_backbone.fingerprint()}}
+    weight = next(n for n, t in state.items() if n.startswith("blocks.0") and t.dim() == 2)
+    if damage == "int32":
+        state[weight] = (state[weight] * 1000).to(torch.int32)
+    elif damage == "shape":
+        state[weight] = state[weight][:, :-1].contiguous()
+    elif damage.startswith("ids_"):
+        state["draft_ids"] = {"ids_out_of_range": torch.tensor([3, 7, 8, 40, 100, 10**6]),
+                              "ids_negative": torch.tensor([-1, 7, 8, 40, 100, 258]),
+                              "ids_duplicated": torch.tensor([3, 7, 7, 40, 100, 258]),
+                              "ids_float": torch.tensor([3.0, 7, 8, 40, 100, 258])}[damage]
+    else:
+        meta["heads"]["k"] = {"k_string": "2", "k_bool": True}[damage]
+    save_file(state, str(tmp_path / "heads.safetensors"))
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(MtpError, match=message):
+        load_heads(tmp_path, tiny_backbone)

@@ -43,6 +43,23 @@ def heads_state_dict(heads: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().contiguous() for n, t in heads.state_dict().items() if n in names}
 
 
+def _of_type(value, annotation: str) -> bool:
+    """Whether a JSON value fits a HeadsConfig field's annotation ("int", "int | None", "list[int] | None",
+    "str", "bool"); booleans are not ints here."""
+    for alt in (a.strip() for a in annotation.split("|")):
+        if alt == "None" and value is None:
+            return True
+        if alt == "bool" and isinstance(value, bool):
+            return True
+        if alt == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if alt == "str" and isinstance(value, str):
+            return True
+        if alt == "list[int]" and isinstance(value, list) and all(_of_type(v, "int") for v in value):
+            return True
+    return False
+
+
 def heads_config_from(meta: dict, meta_file: Path) -> HeadsConfig:
     """The heads' settings recorded in heads.json; faults are the file's, not the command line's."""
     import dataclasses
@@ -50,10 +67,13 @@ def heads_config_from(meta: dict, meta_file: Path) -> HeadsConfig:
     recorded = meta.get("heads") if isinstance(meta, dict) else None
     if not isinstance(recorded, dict):
         raise MtpError(f"{meta_file}: has no 'heads' settings (written by mtp-train, or damaged)")
-    known = {f.name for f in dataclasses.fields(HeadsConfig)}
-    if stray := sorted(set(recorded) - known):
+    known = {f.name: f.type for f in dataclasses.fields(HeadsConfig)}
+    if stray := sorted(set(recorded) - set(known)):
         raise MtpError(f"{meta_file}: 'heads' has keys this version does not know: {', '.join(stray)} "
                        f"(known: {', '.join(sorted(known))})")
+    for key, value in recorded.items():  # the dataclass takes any value: a "3" for k would fail later
+        if not _of_type(value, known[key]):
+            raise MtpError(f"{meta_file}: heads.{key} is {value!r}; expected {known[key]}")
     try:
         return HeadsConfig(**recorded)
     except (ConfigError, TypeError, ValueError) as e:
@@ -93,7 +113,8 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     the adapters are loaded into `backbone` (in place), which is then the adapted model.
 
     Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
-    from mtp_train.artifacts import load_weights, read_weights_meta
+    from mtp_train.artifacts import check_state_matches, load_weights, read_weights_meta
+    from mtp_train.heads.vocab import check_draft_ids
 
     d = Path(path)
     meta, meta_file, weights = read_weights_meta(d, HEADS_META, HEADS_FILE, "written by mtp-train")
@@ -107,7 +128,10 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     _check_same_backbone(meta_file, bb, backbone, allow_foreign)
     state = load_weights(weights)
     cfg = heads_config_from(meta, meta_file)
+    if "draft_ids" in state:
+        check_draft_ids(state["draft_ids"], backbone.vocab_size, str(weights))
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
+    check_state_matches(state, heads.state_dict(), str(weights))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
     if unexpected or trainable & set(missing):

@@ -27,6 +27,24 @@ def select_draft_vocab(counts: np.ndarray, size: int, always: tuple[int, ...] = 
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def check_draft_ids(ids: torch.Tensor, vocab_size: int, where: str) -> None:
+    """Refuse a saved draft vocabulary that would index wrongly: not a 1-D integer tensor, ids outside
+    [0, vocab_size), or not strictly ascending (duplicates, or not the sorted ids written here)."""
+    from mtp_train.errors import MtpError
+
+    if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool or len(ids) < 2:
+        raise MtpError(f"{where}: draft_ids must be a 1-D integer tensor of at least 2 token ids, got "
+                       f"{str(ids.dtype).removeprefix('torch.')} of shape {list(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise MtpError(f"{where}: draft_ids holds token id {lo if lo < 0 else hi}, outside this backbone's "
+                       f"vocabulary [0, {vocab_size})")
+    if not bool((ids[1:] > ids[:-1]).all()):
+        at = int((ids[1:] <= ids[:-1]).nonzero()[0, 0]) + 1
+        raise MtpError(f"{where}: draft_ids is not strictly ascending at index {at} ({int(ids[at - 1])}, "
+                       f"{int(ids[at])}): duplicated or unsorted ids")
+
+
 def label_token_counts(rows, vocab_size: int) -> np.ndarray:
     """Counts (V,) of the labelled (assistant) tokens of a dataset with input_ids and labels."""
     counts = np.zeros(vocab_size, dtype=np.int64)
