@@ -38,7 +38,7 @@ def main(overrides: list[str]) -> None:
     run_prep(dataclasses.replace(cfg, stage="cache"))
     backbone = load_backbone(cfg.backbone)
     _, path = cache_location(cfg, backbone)
-    cache = HiddenCache(path)
+    cache = HiddenCache(path, vocab_size=backbone.vocab_size)
     max_length = layout.max_length(cfg)
     draft_ids = draft_vocab_for(cfg, backbone)
     results = {}

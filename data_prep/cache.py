@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mtp_train.artifacts import read_manifest, write_json_atomic
+from mtp_train.artifacts import pid_alive, read_manifest, write_json_atomic
 from mtp_train.backbone import autocast_to
 from mtp_train.data.cache import (
     FORMAT,
     NP_DTYPES,
+    SIDECARS,
     SPLITS,
     STATES_DTYPE,
     HiddenCache,
@@ -91,6 +92,10 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
         log.info("cache: %s is up to date", out)
         return m
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.npy.tmp-*.npy"):  # a shard a killed run left half-written (write_shard)
+        pid = old.name.rsplit("tmp-", 1)[-1].removesuffix(".npy")
+        if pid.isdigit() and not pid_alive(int(pid)):
+            old.unlink(missing_ok=True)
     if aux_layers:
         known = None
     t0, computed, reused = time.time(), 0, 0
@@ -127,11 +132,13 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
                         np.concatenate([states[j][3] for j in range(len(ids))]) if aux_layers else None)
     bar.close()
     elapsed = time.time() - t0
-    stored = sum(f.stat().st_size for f in out.glob("*.npy"))
-    n_tokens = sum(int(np.load(f, mmap_mode="r").shape[0]) for f in out.glob("*-?????.npy"))
+    shards = [shard_file(out, s, i) for s in SPLITS for i in range(-(-len(splits[s]) // shard_rows))]
+    stored = sum(f.stat().st_size for sh in shards for f in (sh, *(sidecar(sh, w) for w in SIDECARS))
+                 if f.is_file())  # the shards themselves: never a temporary file beside them
+    n_tokens = sum(int(np.load(f, mmap_mode="r").shape[0]) for f in shards)
     manifest = {"stage": "cache", "config_hash": key, "format": FORMAT, "dtype": dtype,
                 "compute": compute, "max_length": max_length,
-                "hidden_size": backbone.hidden_size, "aux_layers": list(aux_layers) if aux_layers else None,
+                "hidden_size": backbone.hidden_size, "vocab_size": backbone.vocab_size, "aux_layers": list(aux_layers) if aux_layers else None,
                 "rows": {s: len(splits[s]) for s in SPLITS}, "shard_rows": shard_rows,
                 "batch_tokens": batch_tokens,
                 "tokens": n_tokens, "bytes": stored,

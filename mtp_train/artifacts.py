@@ -101,7 +101,7 @@ def is_up_to_date(directory: Path, wanted_hash: str) -> bool:
     return m is not None and m.get("config_hash") == wanted_hash
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -120,7 +120,7 @@ def temp_dir_for(final: Path) -> Path:
     if final.parent.is_dir():
         for old in final.parent.glob(final.name + ".tmp-*"):
             pid = old.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(old, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     return tmp

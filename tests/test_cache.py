@@ -212,3 +212,72 @@ def test_a_killed_data_stage_publishes_nothing_and_the_rerun_gives_the_same_rows
     run_prep(cfg)
     assert load_from_disk(str(out))["train"]["input_ids"] == straight
     assert not list(out.parent.glob(out.name + ".tmp-*"))
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_a_damaged_cache_is_refused_naming_the_file_and_a_leftover_temporary_is_not_counted(typed_cfg, tmp_path):
+    """Every way a cache on disk gets damaged (ids out of the vocabulary, truncated or deleted files,
+    edited offsets, another width, a missing shard, rows of other lengths) is refused when the cache
+    is opened, in one line naming the file; a temporary file a killed build left is removed and never
+    counted in the manifest."""
+    import shutil
+
+    from mtp_train.backbone import load_backbone
+    from mtp_train.data.prepared import load_splits
+    from mtp_train.errors import DataError
+    from mtp_train.lit.data import CachedRows
+
+    cfg = typed_cfg(*FAST)
+    for stage in ("data", "distill"):
+        run_prep(dataclasses.replace(cfg, stage=stage))
+    backbone = load_backbone(cfg.backbone)
+    key, good = cache_location(cfg, backbone)
+    splits = load_splits(data_dirs(cfg))
+    manifest = cache_mod.build_cache(splits, backbone, good, key, 96, shard_rows=8)
+    V = backbone.vocab_size
+
+    def edit(name, fn):
+        return lambda d: np.save(d / name, fn(np.load(d / name)))
+
+    def cut(name):
+        return lambda d: (d / name).write_bytes((d / name).read_bytes()[:200])
+
+    def drop_shard(d):
+        for f in d.glob("train-00001.*"):
+            f.unlink()
+
+    cases = [
+        (edit("train-00000.top.npy", lambda a: np.where(np.arange(len(a)) == 3, 10**6, a).astype(a.dtype)),
+         rf"train-00000\.top\.npy: greedy token id 1000000 outside the vocabulary \[0, {V}\)"),
+        (edit("train-00000.top.npy", lambda a: (a - 10**6).astype(a.dtype)), r"train-00000\.top\.npy: greedy token id -"),
+        (cut("train-00001.npy"), r"train-00001\.npy: not a readable \.npy array"),
+        (lambda d: (d / "validation-00000.offsets.npy").unlink(), r"validation-00000\.offsets\.npy: missing"),
+        (edit("train-00000.offsets.npy", lambda a: a[:-1]), r"train-00000\.offsets\.npy: offsets do not cut"),
+        (edit("train-00000.npy", lambda a: a[:, :-1]), r"train-00000\.npy: hidden states float16 of shape \[\d+, 63\]"),
+        (edit("train-00000.stats.npy", lambda a: a[:, :1]), r"train-00000\.stats\.npy: stats float32 of shape"),
+        (edit("train-00000.top.npy", lambda a: a.astype(np.float32)), r"top\.npy: greedy tokens float32"),
+        (drop_shard, r"train-00001\.npy: train has 8 rows in 1 shard\(s\) up to this missing one, the manifest says 24"),
+    ]
+    for damage, message in cases:
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(good, bad)
+        damage(bad)
+        with pytest.raises(DataError, match=message) as err:
+            cache_mod.HiddenCache(bad, vocab_size=V)
+        assert "delete it and run `mtp-prep stage=cache` again" in str(err.value)
+    # rows whose states are shorter than the data's rows: the shard opens, the data refuses it
+    bad = tmp_path / "bad"
+    shutil.rmtree(bad)
+    shutil.copytree(good, bad)
+    edit("train-00000.offsets.npy", lambda a: np.where(np.arange(len(a)) == 1, a - 1, a))(bad)
+    with pytest.raises(DataError, match=r"train row 0 has states for \d+ tokens, the data's row has \d+ \(2 row"):
+        CachedRows(splits["train"], cache_mod.HiddenCache(bad, vocab_size=V), "train")
+    # a killed build's temporary file: removed by the next build, never counted
+    (good / "manifest.json").unlink()
+    stray = good / "train-00000.npy.tmp-99999999.npy"
+    np.save(stray, np.zeros((1000, 64), np.float16))
+    again = cache_mod.build_cache(splits, backbone, good, key, 96, shard_rows=8)
+    assert not stray.exists()
+    assert (again["tokens"], again["bytes"]) == (manifest["tokens"], manifest["bytes"])

@@ -61,6 +61,9 @@ def offsets_file(hidden_file: Path) -> Path:
     return sidecar(hidden_file, "offsets")
 
 
+SIDECARS = ("offsets", "stats", "top", "aux")  # the files beside each shard's hidden states ("aux" optional)
+
+
 def sidecar(hidden_file: Path, what: str) -> Path:
     return hidden_file.with_name(f"{hidden_file.stem}.{what}.npy")
 
@@ -68,28 +71,85 @@ def sidecar(hidden_file: Path, what: str) -> Path:
 class HiddenCache:
     """Memory-mapped read access: `cache.row(split, i)` -> (T_i, d) hidden states,
     `cache.stats(split, i)` -> {"lse", "entropy": (T_i,) float32, "top": (T_i,) int32},
-    `cache.aux(split, i)` -> (T_i, n_aux * d) when the cache was built with auxiliary layers."""
+    `cache.aux(split, i)` -> (T_i, n_aux * d) when the cache was built with auxiliary layers.
 
-    def __init__(self, path: Path):
+    Every shard is checked when the cache is opened (`_check_shard`): files that load, widths and
+    dtypes the manifest names, offsets that cut the shard into its rows, greedy token ids inside
+    the vocabulary (`vocab_size`, when the caller knows it), and as many rows as the manifest says;
+    a damaged cache is refused in one line naming the file, never trained on."""
+
+    def __init__(self, path: Path, vocab_size: int | None = None):
         self.path = Path(path)
         self.manifest = read_json(self.path / MANIFEST)
         if self.manifest is None:
             raise DataError(f"{self.path}: not a finished hidden-state cache; run `mtp-prep stage=cache`")
+        self.vocab_size = vocab_size if vocab_size is not None else self.manifest.get("vocab_size")
         self._splits = {s: self._open(s) for s in SPLITS}
+
+    def _damaged(self, where: Path, what: str) -> DataError:
+        return DataError(f"{where}: {what}; the cache at {self.path} is damaged: delete it and run "
+                         "`mtp-prep stage=cache` again")
+
+    def _load(self, f: Path, mmap: bool = True) -> np.ndarray:
+        try:
+            return np.load(f, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except FileNotFoundError:
+            raise self._damaged(f, "missing (every shard has offsets, stats and top files beside it)") from None
+        except (ValueError, OSError, EOFError) as e:  # truncated, a bad header, an object array
+            raise self._damaged(f, f"not a readable .npy array ({e})") from None
 
     def _open(self, split: str):
         shards, i = [], 0
         while (f := shard_file(self.path, split, i)).is_file():
             aux = sidecar(f, "aux")
-            shards.append((np.load(f, mmap_mode="r", allow_pickle=False),
-                           np.load(offsets_file(f), allow_pickle=False),
-                           np.load(sidecar(f, "stats"), mmap_mode="r", allow_pickle=False),
-                           np.load(sidecar(f, "top"), mmap_mode="r", allow_pickle=False),
-                           np.load(aux, mmap_mode="r", allow_pickle=False) if aux.is_file() else None))
+            shard = (self._load(f), self._load(offsets_file(f), mmap=False), self._load(sidecar(f, "stats")),
+                     self._load(sidecar(f, "top")), self._load(aux) if aux.is_file() else None)
+            self._check_shard(f, *shard)
+            shards.append(shard)
             i += 1
         # shards may hold different numbers of rows (distillation's do): the first row of each
         first = np.cumsum([0] + [len(sh[1]) - 1 for sh in shards])
+        want = (self.manifest.get("rows") or {}).get(split)
+        if want is not None and int(first[-1]) != want:
+            raise self._damaged(shard_file(self.path, split, i), f"{split} has {int(first[-1])} rows in "
+                                f"{i} shard(s) up to this missing one, the manifest says {want}")
         return shards, first
+
+    def _check_shard(self, f: Path, hidden, offsets, stats, top, aux) -> None:
+        m = self.manifest
+        width, dtype = m.get("hidden_size"), m.get("dtype", STATES_DTYPE)
+        if hidden.ndim != 2 or (width is not None and hidden.shape[1] != width) or str(hidden.dtype) != dtype:
+            raise self._damaged(f, f"hidden states {hidden.dtype} of shape {list(hidden.shape)}, the manifest "
+                                f"says {dtype} (tokens, {width})")
+        n = hidden.shape[0]
+        o = offsets_file(f)
+        if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 2:
+            raise self._damaged(o, f"offsets must be a 1-D integer array of rows + 1 entries, got "
+                                f"{offsets.dtype} of shape {list(offsets.shape)}")
+        if offsets[0] != 0 or offsets[-1] != n or bool((np.diff(offsets) < 0).any()):
+            raise self._damaged(o, f"offsets do not cut the shard's {n} tokens into rows (first {int(offsets[0])}, "
+                                f"last {int(offsets[-1])}{', decreasing' if (np.diff(offsets) < 0).any() else ''})")
+        if stats.shape != (n, 2) or stats.dtype.kind != "f":
+            raise self._damaged(sidecar(f, "stats"), f"stats {stats.dtype} of shape {list(stats.shape)}, "
+                                f"expected float ({n}, 2)")
+        if top.shape != (n,) or top.dtype.kind not in "iu":
+            raise self._damaged(sidecar(f, "top"), f"greedy tokens {top.dtype} of shape {list(top.shape)}, "
+                                f"expected integer ({n},)")
+        if n and (int(top.min()) < 0 or (self.vocab_size is not None and int(top.max()) >= self.vocab_size)):
+            bad = int(top.min()) if int(top.min()) < 0 else int(top.max())
+            raise self._damaged(sidecar(f, "top"), f"greedy token id {bad} outside the vocabulary "
+                                f"[0, {self.vocab_size if self.vocab_size is not None else '?'})")
+        layers = m.get("aux_layers")
+        if layers and (aux is None or aux.ndim != 2 or aux.shape[0] != n
+                       or (width is not None and aux.shape[1] != len(layers) * width)):
+            got = "missing" if aux is None else f"of shape {list(aux.shape)}"
+            raise self._damaged(sidecar(f, "aux"), f"auxiliary states {got}, expected ({n}, "
+                                f"{len(layers)} x {width}) for layers {layers}")
+
+    def lengths(self, split: str) -> np.ndarray:
+        """Every row's number of tokens, in row order."""
+        shards, _ = self._splits[split]
+        return np.concatenate([np.diff(sh[1]) for sh in shards]) if shards else np.zeros(0, np.int64)
 
     def _locate(self, split: str, i: int):
         shards, first = self._splits[split]

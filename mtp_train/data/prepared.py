@@ -71,7 +71,7 @@ def open_cache(cfg: Config, backbone, aux_layers=FROM_CONFIG):
                  "running the backbone live")
         return None
     log.info("training from the hidden-state cache %s (%s tokens)", path, f"{m['tokens']:,}")
-    return HiddenCache(path)
+    return HiddenCache(path, vocab_size=backbone.vocab_size)
 
 
 def labelled_data_config(cfg: Config):

@@ -70,6 +70,17 @@ class CachedRows(Dataset):
         if len(rows) != cache.manifest["rows"][split]:
             raise DataError(f"{cache.path}: cache has {cache.manifest['rows'][split]} {split} rows, "
                             f"the data has {len(rows)}; rebuild it with `mtp-prep stage=cache`")
+        import pyarrow.compute as pc
+
+        # every row's states cover its tokens up to the cache's row length (lengths read from arrow)
+        n_tokens = pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_numpy()
+        want = np.minimum(n_tokens, cache.manifest.get("max_length") or 10**9)
+        have = cache.lengths(split)
+        if (bad := np.flatnonzero(want != have)).size:
+            i = int(bad[0])
+            raise DataError(f"{cache.path}: {split} row {i} has states for {int(have[i])} tokens, the data's "
+                            f"row has {int(want[i])} ({bad.size} row(s) differ); the cache was built from "
+                            "other data or is damaged: delete it and run `mtp-prep stage=cache` again")
         self.rows, self.cache, self.split = rows, cache, split
         self.with_aux = cache.aux_layers is not None  # built for heads that read auxiliary layers
 
