@@ -11,6 +11,7 @@ a loss or trainer value it never uses does not stop it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,8 +304,9 @@ class TrainConfig:
         check(self.batch_size > 0, "train.batch_size", "must be > 0")
         check(self.length_window >= 0, "train.length_window", f"must be >= 0, got {self.length_window}")
         check(self.max_length is None or self.max_length > 1, "train.max_length", "must be > 1 or null")
-        check(self.lr > 0, "train.lr", "must be > 0")
-        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        check(math.isfinite(self.lr) and self.lr > 0, "train.lr", f"must be a finite number > 0, got {self.lr}")
+        check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay",
+              f"must be a finite number >= 0, got {self.weight_decay}")
         check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check_choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")

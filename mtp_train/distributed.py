@@ -7,6 +7,7 @@ refuses, with the config key named, what cannot run on this machine.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from contextlib import contextmanager
@@ -56,6 +57,14 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
                           "give a positive number, or -1 to let trainer.max_epochs decide")
     if epochs is not None and epochs == 0:
         raise ConfigError("trainer.max_epochs: 0 trains nothing (and would write untrained heads)")
+    if steps in (None, -1) and (epochs is None or epochs < 1):
+        raise ConfigError(f"trainer.max_steps: {steps} leaves the length of training to trainer.max_epochs, "
+                          f"which is {epochs} (Lightning would then train 1000 epochs); give max_steps, or a "
+                          "positive trainer.max_epochs")
+    clip = trainer.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                             or not math.isfinite(clip) or clip < 0):
+        raise ConfigError(f"trainer.gradient_clip_val: {clip!r}; give a finite number >= 0 (0 or null: no clipping)")
     accel = str(trainer.get("accelerator", "auto")).lower()
     devices = trainer.get("devices", 1)
     strategy = strategy_name(trainer.get("strategy"))

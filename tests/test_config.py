@@ -110,7 +110,8 @@ def test_the_smoke_overlay_is_the_tiny_backbone_for_a_few_steps(typed_cfg):
 
 
 @pytest.mark.parametrize("override", ["loss.name=mse", "loss.depth_weights=[1.0]", "train.batch_size=0",
-                                      "train.lr_schedule=step", "heads.k=0", "heads.draft_vocab=1"])
+                                      "train.lr_schedule=step", "heads.k=0", "heads.draft_vocab=1",
+                                      "train.lr=inf", "train.lr=nan", "train.weight_decay=inf"])
 @pytest.mark.bad_input
 def test_train_refuses_a_bad_training_value_that_eval_and_clp_never_read(compose_cfg, override):
     """mtp-eval and mtp-clp take the heads' settings from the trained run (heads.json) and train
@@ -324,6 +325,10 @@ def test_slurm_launcher_composes():
     ("val_check_interval", 0, "trainer.val_check_interval: 0; give a positive"),
     ("max_steps", "ten", "trainer.max_steps: 'ten' is not a number"),
     ("max_epochs", True, "trainer.max_epochs: True is not a number"),
+    ("max_steps", -1, "trainer.max_steps: -1 leaves the length of training to trainer.max_epochs, which is None "
+                      "(Lightning would then train 1000 epochs)"),
+    ("gradient_clip_val", -1, "trainer.gradient_clip_val: -1; give a finite number >= 0"),
+    ("gradient_clip_val", float("inf"), "trainer.gradient_clip_val: inf; give a finite number >= 0"),
 ])
 @pytest.mark.bad_input
 def test_trainer_settings_of_the_wrong_kind_are_refused_naming_the_key(key, value, message):

@@ -119,21 +119,21 @@ def test_validation_slices_are_disjoint_and_equal_per_rank():
 @pytest.mark.bad_input
 def test_trainer_checks_name_the_key():
     with pytest.raises(ConfigError, match="trainer.strategy.*CUDA"):
-        check_trainer({"accelerator": "cpu", "devices": 1, "strategy": {
+        check_trainer({"max_steps": 10, "accelerator": "cpu", "devices": 1, "strategy": {
             "_target_": "lightning.pytorch.strategies.DeepSpeedStrategy"}}, gpus=0)
     with pytest.raises(ConfigError, match="trainer.strategy"):
-        check_trainer({"accelerator": "gpu", "devices": "auto", "strategy": "deepspeed_stage_2"}, gpus=0)
+        check_trainer({"max_steps": 10, "accelerator": "gpu", "devices": "auto", "strategy": "deepspeed_stage_2"}, gpus=0)
     with pytest.raises(ConfigError, match="trainer.devices: 8 GPUs asked, 2 visible"):
-        check_trainer({"accelerator": "gpu", "devices": 8, "strategy": "ddp"}, gpus=2)
+        check_trainer({"max_steps": 10, "accelerator": "gpu", "devices": 8, "strategy": "ddp"}, gpus=2)
     with pytest.raises(ConfigError, match="trainer.devices: 64 CPU processes"):
-        check_trainer({"accelerator": "cpu", "devices": 64, "strategy": "ddp"}, gpus=0, cpus=2)
+        check_trainer({"max_steps": 10, "accelerator": "cpu", "devices": 64, "strategy": "ddp"}, gpus=0, cpus=2)
     with pytest.raises(ConfigError, match="trainer.accelerator"):
-        check_trainer({"accelerator": "gpu", "devices": 1}, gpus=0)
+        check_trainer({"max_steps": 10, "accelerator": "gpu", "devices": 1}, gpus=0)
     with pytest.raises(ConfigError, match="inside a local multirun"):
-        check_trainer({"accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2,
+        check_trainer({"max_steps": 10, "accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2,
                       multirun=True)
-    check_trainer({"accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2)
-    check_trainer({"accelerator": "gpu", "devices": 8, "strategy": "deepspeed"}, gpus=8)
+    check_trainer({"max_steps": 10, "accelerator": "cpu", "devices": 2, "strategy": "ddp"}, gpus=0, cpus=2)
+    check_trainer({"max_steps": 10, "accelerator": "gpu", "devices": 8, "strategy": "deepspeed"}, gpus=8)
     for steps in (0, -5):  # would write untrained heads
         with pytest.raises(ConfigError, match=rf"trainer.max_steps: {steps} trains nothing"):
             check_trainer({"accelerator": "cpu", "max_steps": steps}, gpus=0)
