@@ -93,10 +93,16 @@ def held_out_calibration(predictor: SpanPredictor, hidden: torch.Tensor, head_pr
             "val/p_span1_observed": float((labels >= 1).float().mean())}
 
 
-def saved_threshold(meta: dict) -> float | None:
-    """The calibrated threshold a predictor's predictor.json holds (None: not calibrated yet)."""
+def saved_threshold(meta: dict, where="predictor.json") -> float | None:
+    """The calibrated threshold a predictor's predictor.json holds (None: not calibrated yet), held to
+    the rule clp.thresholds and eval.span_threshold are held to on the command line: a number in (0, 1]."""
     value = meta.get("threshold")
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise MtpError(f"{where}: threshold {value!r} is not a probability in (0, 1]; the file was edited or "
+                       "damaged: rerun `mtp-clp stage=calibrate`")
+    return float(value)
 
 
 def span_from_probs(probs: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -332,7 +332,8 @@ def write_report(run_root: str | Path) -> Path:
         from mtp_train.clp import saved_threshold
 
         md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
-        md += [f"| {k} | {m.get('parameters', 0):,} | {_fmt(saved_threshold(m), 2)} | "
+        md += [f"| {k} | {m.get('parameters', 0):,} | "
+               f"{_fmt(saved_threshold(m, layout.predictor_dir(clp, k) / layout.PREDICTOR_META), 2)} | "
                f"{'yes' if m.get('calibrated') else 'no threshold met the bounds: accepts nothing extra'} |"
                for k, m in preds]
         md.append("")

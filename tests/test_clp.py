@@ -310,3 +310,16 @@ def test_a_predictor_without_a_calibrated_threshold_is_refused(tmp_path):
     assert predictor_threshold({"threshold": 0.8}, tmp_path) == 0.8
     with pytest.raises(MtpError, match="no threshold"):
         predictor_threshold({}, tmp_path)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("value", [7.5, 0, -0.2, "0.8", True, float("inf")])
+def test_a_saved_threshold_outside_0_1_is_refused_as_on_the_command_line(value):
+    """predictor.json's threshold is held to the rule clp.thresholds is: a probability in (0, 1]."""
+    from mtp_train.clp import saved_threshold
+    from mtp_train.errors import MtpError
+
+    with pytest.raises(MtpError, match=r"runs/x/predictor\.json: threshold .* is not a probability in \(0, 1\]"):
+        saved_threshold({"threshold": value}, "runs/x/predictor.json")
+    assert saved_threshold({"threshold": 0.8}) == 0.8 and saved_threshold({"threshold": 1}) == 1.0
+    assert saved_threshold({}) is None

@@ -87,7 +87,7 @@ def predictor_threshold(meta: dict, path) -> float:
     """A predictor's calibrated threshold (`clp.saved_threshold`), refused when its predictor.json has none."""
     from mtp_train.clp import saved_threshold
 
-    value = saved_threshold(meta)
+    value = saved_threshold(meta, path)
     if value is None:
         raise MtpError(f"{path}: predictor.json holds no threshold; rerun `mtp-clp stage=calibrate`")
     return value
