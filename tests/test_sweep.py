@@ -38,7 +38,9 @@ def test_a_local_sweep_names_groups_and_tags_its_points_and_summarises_them_fail
     env = {**os.environ, "WANDB_SILENT": "true"}
     # the k=300 points fail (k longer than the rows); every point is decoded after training
     r = _sweep(tmp_path, "heads.k=300,2", "loss=ce,kl", "logger=[csv,wandb]", *EVAL_AFTER, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    # the other points ran, but a sweep with failed points does not pass: exit 1, the points named
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "error: 2 sweep point(s) failed" in r.stderr and "0-k300-ce" in r.stderr and "2-k2-ce" not in r.stderr
     sweep = tmp_path / "sweep"
     names = ["k300-ce", "k300-kl", "k2-ce", "k2-kl"]  # the swept values, in command-line order
     assert sorted(p.name for p in sweep.iterdir() if (p / ".hydra").is_dir()) == \
@@ -173,7 +175,7 @@ def test_two_by_two_sweep_on_a_real_slurm(slurm, tmp_path):
     r = _sweep(tmp_path, "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1",
                "hydra.launcher.mem_gb=null", "hydra.launcher.timeout_min=20",
                "heads.k=1,2,300", "loss=ce,kl", env=slurm.env, timeout=1500)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 1 and "error: 2 sweep point(s) failed" in r.stderr, r.stderr[-3000:]
     assert "Slurm" in r.stdout + r.stderr or (tmp_path / "sweep" / ".submitit").is_dir()
     out = json.loads((tmp_path / "sweep" / "sweep_report.json").read_text())
     assert out["ok"] == 4 and out["failed"] == 2 and sorted(out["swept"]) == ["heads.k", "loss"]

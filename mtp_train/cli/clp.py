@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hydra
 
-from mtp_train.cli.common import CONF_DIR, entry, offline_environment
+from mtp_train.cli.common import CONF_DIR, entry, offline_environment, run_app
 from mtp_train.config import Config
 from mtp_train.pipeline.clp_run import run_clp
 
@@ -26,7 +26,7 @@ def app(cfg, typed: Config):
 
 def main() -> None:
     offline_environment()
-    app()
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,18 @@ def compose_config(overrides: list[str]) -> Config:
         return validate(compose("config", overrides=overrides))
 
 
+def run_app(app) -> None:
+    """Run a Hydra entry point; after a multirun whose points did not all succeed, name them and exit 1
+    (the other points ran: a failed one does not stop the sweep, but the command does not pass)."""
+    from mtp_train.cli.sweep import FAILED_POINTS
+
+    app()
+    if FAILED_POINTS:
+        print(f"error: {len(FAILED_POINTS)} sweep point(s) failed (the reason is in each FAILED.txt): "
+              + ", ".join(str(f.parent) for f in FAILED_POINTS), file=sys.stderr)
+        raise SystemExit(1)
+
+
 def _failure_file() -> Path:
     from hydra.core.hydra_config import HydraConfig
 

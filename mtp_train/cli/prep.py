@@ -19,7 +19,7 @@ from __future__ import annotations
 import hydra
 
 from data_prep.stages import print_summary, run_prep
-from mtp_train.cli.common import CONF_DIR, entry, offline_environment
+from mtp_train.cli.common import CONF_DIR, entry, offline_environment, run_app
 from mtp_train.config import Config
 
 
@@ -33,7 +33,7 @@ def app(cfg, typed: Config):
 
 def main() -> None:
     offline_environment()
-    app()
+    run_app(app)
 
 
 if __name__ == "__main__":

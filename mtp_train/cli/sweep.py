@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
+from mtp_train.layout import FAILED
 from mtp_train.tracking import SweepPoint, point_name
 
 MULTIRUN_CONFIG = "multirun.yaml"
@@ -94,12 +95,17 @@ def current_point() -> SweepPoint | None:
     return SweepPoint(name=name, values=values, sweep_dir=str(hc.sweep.dir))
 
 
+FAILED_POINTS: list[Path] = []  # the FAILED.txt of the multirun this process just ran (its exit code)
+
+
 class SweepSummary(Callback):
-    """Hydra callback: after an mtp-train multirun (local, or once every Slurm job has ended), the
-    sweep summary beside the points and, with logger=wandb, in the sweep's W&B group."""
+    """Hydra callback: after a multirun (local, or once every Slurm job has ended), the points that
+    failed (`FAILED_POINTS`: the command then exits 1); after an mtp-train multirun also the sweep
+    summary beside the points and, with logger=wandb, in the sweep's W&B group."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json / FAILED.txt
+        FAILED_POINTS[:] = sorted(Path(str(config.hydra.sweep.dir)).glob(f"*/{FAILED}"))
+        if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json
             return
         from mtp_train.sweep import summarize
 
