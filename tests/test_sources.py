@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -122,8 +123,29 @@ def test_jsonl_where_nothing_parses_is_an_error_naming_the_file(tmp_path):
         list(sources.read_jsonl(path, sources.SourceStats(), False))
     with pytest.raises(DataError, match="does not exist"):
         list(sources.read_jsonl(tmp_path / "missing.jsonl", sources.SourceStats(), False))
-    with pytest.raises(DataError, match=r"data.path: .* is a directory; data.source=jsonl reads one JSONL file"):
+    with pytest.raises(DataError, match=r"data.path: .* is a directory; expected one JSONL file"):
         list(sources.read_jsonl(tmp_path, sources.SourceStats(), False))
+
+
+@pytest.mark.bad_input
+def test_a_fifo_or_a_device_as_data_path_is_named_for_what_it_is(tmp_path):
+    """/dev/zero would be read forever and a FIFO would block: each is refused in one line saying what
+    it is, not that it "does not exist"; the same for eval.prompts and the disk source."""
+    import os
+
+    from mtp_train.evaluation.prompts import load_prompts_jsonl
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        for read in (sources.read_jsonl, sources.read_sharegpt, sources.read_disk):
+            with pytest.raises(DataError, match=rf"data.path: {path} is {kind}( \(named pipe\))?, not a regular file"):
+                list(read(path, sources.SourceStats(), False))
+        with pytest.raises(DataError, match=rf"eval.prompts: {path} is {kind}"):
+            load_prompts_jsonl(path, None)
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    with pytest.raises(DataError, match=r"data.path: .* is a file; data.source=disk reads a directory"):
+        list(sources.read_disk(tmp_path / "x.jsonl", sources.SourceStats(), False))
 
 
 @pytest.mark.bad_input

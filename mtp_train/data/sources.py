@@ -102,6 +102,21 @@ def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool
     return system + rest
 
 
+def regular_file(path: Path, key: str, expected: str) -> Path:
+    """`path` if it is a regular file to read; otherwise one line saying what is there instead (nothing,
+    a directory, or a FIFO / device / socket, which would block or never end)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise DataError(f"{key}: {path} does not exist")
+    if path.is_dir():
+        raise DataError(f"{key}: {path} is a directory; expected {expected}")
+    kind = ("a FIFO (named pipe)" if path.is_fifo() else "a character device" if path.is_char_device()
+            else "a block device" if path.is_block_device() else "a socket" if path.is_socket() else "not a regular file")
+    raise DataError(f"{key}: {path} is {kind}, not a regular file; expected {expected}")
+
+
 # --- ShareGPT: a JSON array, possibly truncated ----------------------------------------------------
 
 def sharegpt_path() -> Path:
@@ -179,7 +194,7 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def read_sharegpt(path: Path | None, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
-    path = Path(path) if path else sharegpt_path()
+    path = regular_file(path, "data.path", "a ShareGPT JSON file") if path else sharegpt_path()
     for line, rec in iter_json_array(path, stats):
         if not isinstance(rec, dict) or not isinstance(rec.get("conversations"), list):
             stats.drop("record without a conversations list", line)
@@ -228,12 +243,8 @@ def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
 
 
 def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
-    path = Path(path)
-    if path.is_dir():
-        raise DataError(f"data.path: {path} is a directory; data.source=jsonl reads one JSONL file "
-                        "(data.source=disk reads a dataset saved with save_to_disk)")
-    if not path.is_file():
-        raise DataError(f"data.path: {path} does not exist")
+    path = regular_file(path, "data.path", "one JSONL file (data.source=disk reads a dataset saved with "
+                        "save_to_disk)")
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             if NOT_UTF8.search(line):
@@ -261,8 +272,9 @@ def read_disk(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterato
     from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"data.path: {path} does not exist")
+    if not path.is_dir():
+        regular_file(path, "data.path", "a directory written by save_to_disk")  # says what is there instead
+        raise DataError(f"data.path: {path} is a file; data.source=disk reads a directory written by save_to_disk")
     try:
         ds = load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:

@@ -47,14 +47,10 @@ def load_prompts_jsonl(path: Path, tokenizer) -> list[list[int]]:
     left out) rendered with the chat template."""
     from jinja2 import TemplateError
 
-    from mtp_train.data.sources import row_to_messages
+    from mtp_train.data.sources import regular_file, row_to_messages
     from mtp_train.data.template import render_prompt
 
-    path = Path(path)
-    if path.is_dir():
-        raise DataError(f"eval.prompts: {path} is a directory; expected a JSONL file of prompts")
-    if not path.is_file():
-        raise DataError(f"eval.prompts: {path} does not exist")
+    path = regular_file(path, "eval.prompts", "a JSONL file of prompts")
     out = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
