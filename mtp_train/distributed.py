@@ -221,6 +221,44 @@ def load_weights_only(path: Path, mmap: bool = False):
         raise CheckpointUnreadable(f"{type(e).__name__}: {first}") from None
 
 
+def atomic_checkpoint_io():
+    """A Lightning CheckpointIO that publishes a checkpoint only once it is whole: written to a
+    temporary file beside the target, flushed to disk, then renamed over it. Lightning's own writes
+    a temporary in the system's temp directory and then moves it, which across filesystems is a
+    copy: a full disk there leaves a truncated last.ckpt and the previous good one is lost. Here a
+    failed write leaves the previous checkpoint as it was and no temporary behind."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            import torch
+
+            if storage_options is not None:
+                raise TypeError("storage_options is not supported by AtomicCheckpointIO")
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            try:
+                with open(tmp, "wb") as f:
+                    torch.save(checkpoint, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+    return AtomicCheckpointIO()
+
+
+def trainer_plugins(trainer: dict) -> dict:
+    """Extra Trainer kwargs: the atomic checkpoint writer, unless trainer.plugins names plugins of
+    its own (a DeepSpeed strategy writes its ZeRO directory itself and never calls it)."""
+    if trainer.get("plugins") or strategy_name(trainer.get("strategy")).startswith("deepspeed"):
+        return {}
+    return {"plugins": [atomic_checkpoint_io()]}
+
+
 def zero_state_dict(checkpoint: Path) -> dict:
     """The fp32 state dict of a ZeRO checkpoint directory (Lightning's `last.ckpt/` layout or a
     DeepSpeed save dir), gathered from every rank's shards by DeepSpeed's own consolidation, with

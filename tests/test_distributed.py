@@ -321,3 +321,34 @@ def test_export_consolidates_a_zero_checkpoint_made_by_deepspeed(single_run, tmp
     r = subprocess.run([str(BIN / "mtp-export-heads"), str(run), "--checkpoint", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "none: no checkpoint here" in r.stderr
+
+
+@pytest.mark.bad_input
+def test_a_checkpoint_write_that_fails_midway_keeps_the_previous_one_whole(tmp_path, monkeypatch):
+    """A full disk while writing last.ckpt: the previous checkpoint is still there, byte for byte,
+    and no temporary is left (Lightning's own writer moves a temp from /tmp: a copy that truncates)."""
+    import errno
+
+    import torch
+
+    from mtp_train.distributed import trainer_plugins
+
+    (io,) = trainer_plugins({"max_steps": 5})["plugins"]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.ones(1000)}, last)
+    good = last.read_bytes()
+    real_save = torch.save
+
+    def disk_full(obj, f, *a, **kw):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"step": 2, "w": torch.zeros(1000)}, last)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert last.read_bytes() == good and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    assert torch.load(last, weights_only=True)["step"] == 1
+    io.save_checkpoint({"step": 3}, last)  # and the next good write replaces it
+    assert torch.load(last, weights_only=True)["step"] == 3
+    assert trainer_plugins({"strategy": "deepspeed_stage_2"}) == {}  # DeepSpeed writes its own directory

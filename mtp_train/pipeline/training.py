@@ -196,7 +196,7 @@ def _run_train(cfg: Config) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from mtp_train.backbone import load_backbone
-    from mtp_train.distributed import check_trainer
+    from mtp_train.distributed import check_trainer, trainer_plugins
     from mtp_train.heads.persist import build_heads, count_parameters
     from mtp_train.lit.data import MTPDataModule
     from mtp_train.lit.module import MTPHeadsModule
@@ -250,7 +250,7 @@ def _run_train(cfg: Config) -> dict:
     loggers = make_loggers(cfg)
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt])
+    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt], **trainer_plugins(cfg.trainer))
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
