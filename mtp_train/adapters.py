@@ -189,7 +189,12 @@ def attach_run_adapter(run_dir: Path, record: dict, backbone) -> Path:
     caches of the original backbone's states are not taken for the adapted one's."""
     from mtp_train.artifacts import file_sha256
 
-    d = Path(run_dir) / str(record.get("dir") or "adapter")
+    name = record.get("dir") or "adapter"
+    d = Path(run_dir) / str(name)
+    run = Path(run_dir).resolve()
+    if not isinstance(name, str) or d.resolve().parent != run:  # mtp-train writes <run>/adapter
+        raise MtpError(f"{run_dir}: heads.json's adapter.dir {name!r} is not a directory inside the run; "
+                       "the adapters a run trained are saved in it (edited, or damaged)")
     weights = d / WEIGHTS_FILE
     if not weights.is_file():
         raise MtpError(f"{run_dir}: heads.json says the heads were trained with LoRA adapters, but {weights} "

@@ -410,3 +410,16 @@ def test_chained_heads_copy_the_original_last_layer_of_a_lora_backbone():
     q = bb.model.model.layers[-1].self_attn.q_proj.get_base_layer().weight
     copied = [t for n, t in heads.state_dict().items() if n.endswith("self_attn.q_proj.weight")]
     assert len(copied) == 2 and all(torch.equal(t, q) for t in copied)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("where", ["../elsewhere", "/tmp", "adapter/../../x", 7])
+def test_an_adapter_dir_outside_the_run_is_refused(tmp_path, where):
+    """heads.json names the run's own adapter directory; one pointing elsewhere is never loaded."""
+    from mtp_train.adapters import attach_run_adapter
+    from mtp_train.errors import MtpError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(MtpError, match=r"adapter\.dir .* is not a directory inside the run"):
+        attach_run_adapter(run, {"dir": where, "sha256": None}, backbone=None)
