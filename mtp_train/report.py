@@ -11,14 +11,30 @@ that has not run yet is listed as missing, so the page can be written at any poi
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 from mtp_train import layout
-from mtp_train.artifacts import read_json as _json
 from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import MtpError
 from mtp_train.evaluation.modes import MODES
 from mtp_train.goals import DEMO as TARGETS  # the demo's goals (mtp_train/goals.py)
+
+
+def _json(path: Path):
+    """The JSON record in `path` (an object or a list), None when the file is not there; a damaged
+    one is refused naming it (the stages write their records atomically: damage is an edit or a
+    disk fault, never a run in progress)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise MtpError(f"{path}: not a readable JSON record ({e}); rerun the stage that wrote it") from None
+    if not isinstance(value, (dict, list)):
+        raise MtpError(f"{path}: holds a {type(value).__name__}, not a JSON record; rerun the stage that wrote it")
+    return value
 
 
 def _default_bounds() -> dict:
@@ -245,7 +261,23 @@ def _data_section(train_dir: Path, heads: dict) -> tuple[list[str], dict]:
 
 
 def write_report(run_root: str | Path) -> Path:
+    """<run_root>/report.md, written atomically; a run directory whose records lack what the page
+    reads (another version's, or edited) is refused in one line naming what is missing."""
     root = Path(run_root)
+    if not root.is_dir():
+        raise MtpError(f"{root}: not a directory; mtp-report reads a pipeline run's directory "
+                       "(the one holding train/, clp/ and eval/)")
+    try:
+        return _write_report(root)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError, StopIteration) as e:
+        raise MtpError(f"{root}: a record there lacks what the report reads ({type(e).__name__}: {e}); "
+                       "train/heads.json, eval/eval_report.json and clp/ are written by mtp-train, mtp-eval "
+                       "and mtp-clp of this version: rerun the stage whose record was edited") from None
+    except OSError as e:  # a read-only run directory, a full disk: report.md is written there
+        raise MtpError(f"{e.filename or root}: cannot write the report ({e.strerror}); nothing was changed") from None
+
+
+def _write_report(root: Path) -> Path:
     train, clp, ev = layout.pipeline_dirs(root)
     heads = _json(train / layout.HEADS_META)
     report = _json(ev / layout.EVAL_REPORT)

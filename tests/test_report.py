@@ -27,6 +27,7 @@ def test_report_training_curves_from_the_csv_logger(tmp_path):
     (run / "metrics.csv").write_text("\n".join(lines) + "\n")
     png = training_curves(tmp_path / "train", tmp_path / "curves.png")
     assert png.stat().st_size > 5000
+    (tmp_path / "empty").mkdir()
     with pytest.raises(MtpError, match="nothing to report"):
         write_report(tmp_path / "empty")
 
@@ -162,3 +163,37 @@ def test_report_tree_targets_and_the_shortfall_explanation():
     assert "tree63" in why[1] and "2.30" in why[1] and "3.00x" in why[1]
     # the best tau / cost: tree4's 1.6 / 1.1 = 1.45 beats tree63's 2.3 / 3.4
     assert "1.45 (tree4" in why[2]
+
+
+@pytest.mark.bad_input
+def test_mtp_report_names_a_file_a_damaged_record_and_a_read_only_directory_in_one_line(tmp_path, capsys):
+    """mtp-report on a file, on heads.json without its keys, on a damaged eval_report.json, and on a
+    directory it cannot write: exit 2 and one line each, never a traceback."""
+    import json
+    import os
+
+    from mtp_train.cli.report import main
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    (tmp_path / "r1" / "train").mkdir(parents=True)
+    (tmp_path / "r1" / "train" / "heads.json").write_text(json.dumps({"heads": {}}))
+    (tmp_path / "r2" / "eval").mkdir(parents=True)
+    (tmp_path / "r2" / "eval" / "eval_report.json").write_text('{"modes": ')
+    for root, message in ((a_file, "afile: not a directory; mtp-report reads a pipeline run's directory"),
+                          (tmp_path / "r1", "r1: a record there lacks what the report reads (KeyError: 'backbone')"),
+                          (tmp_path / "r2", "eval_report.json: not a readable JSON record")):
+        assert main([str(root)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    readable = {"modes": {"greedy": {"n_prompts": 1, "tokens_per_s": 9.0, "tau": 1.0, "greedy_match_rate": 1.0,
+                                     "repetition_ratio": 0.0, "backbone_nll": 1.0, "speedup_vs_hf": 1.0}}}
+    (tmp_path / "r1" / "train" / "heads.json").unlink()
+    (tmp_path / "r1" / "eval").mkdir()
+    (tmp_path / "r1" / "eval" / "eval_report.json").write_text(json.dumps(readable))
+    if os.geteuid() == 0:  # root writes anywhere: make the report's own file a directory instead
+        (tmp_path / "r1" / "report.md.tmp").mkdir()
+    else:
+        os.chmod(tmp_path / "r1", 0o555)
+    assert main([str(tmp_path / "r1")]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
