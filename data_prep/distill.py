@@ -43,6 +43,7 @@ from mtp_train.artifacts import (
 from mtp_train.backbone import autocast_to, cut_at_eos, eos_ids, resolve_autocast
 from mtp_train.config import DistillConfig
 from mtp_train.data.cache import SPLITS, STATES_DTYPE, shard_file, sidecar
+from mtp_train.data.prepared import load_prepared
 from mtp_train.data.sources import tokenizer_identity
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
@@ -105,7 +106,7 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     shards_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(shards_dir / PLAN, {"config_hash": wanted, **plan})
 
-    source = load_from_disk(str(source_dir))
+    source = load_prepared(source_dir)
     caps = {"train": cfg.max_train_prompts, "validation": cfg.max_val_prompts}
     work = []  # (split, shard index, start, end)
     for split in SPLITS:

@@ -207,3 +207,26 @@ def test_rows_with_bytes_that_are_not_utf8_are_dropped_by_line_not_kept_with_rep
     assert [c["id"] for c in convs] == ["c1"] and stats.parsed == 1
     assert stats.dropped[sources.NOT_UTF8_REASON] == 1 and stats.bad_lines == [2]
     assert not any("\ufffd" in m["content"] for c in convs for m in c["messages"])
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_prepared_dataset_is_refused_in_one_line_naming_it(tmp_path, damage):
+    """A truncated or deleted .arrow file of a prepared dataset: one line naming the directory,
+    not a pyarrow or IndexError traceback at some later row."""
+    from datasets import Dataset, DatasetDict
+
+    from mtp_train.data.prepared import load_prepared
+    from mtp_train.layout import MANIFEST
+
+    rows = {"input_ids": [list(range(i, i + 50)) for i in range(400)], "labels": [[1] * 50] * 400}
+    DatasetDict({"train": Dataset.from_dict(rows), "validation": Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "d"))
+    (tmp_path / "d" / MANIFEST).write_text("{}")
+    assert len(load_prepared(tmp_path / "d")["train"]) == 400
+    (arrow,) = (tmp_path / "d" / "train").glob("*.arrow")
+    if damage == "truncate":
+        arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    else:
+        arrow.unlink()
+    with pytest.raises(DataError, match=r"/d: the prepared dataset cannot be read \(.*\); it is damaged"):
+        load_prepared(tmp_path / "d")

@@ -17,17 +17,33 @@ log = logging.getLogger(__name__)
 COLUMNS = ["input_ids", "labels"]
 
 
+def load_prepared(d: Path, next_step: str = "run `mtp-prep` first"):
+    """A prepared dataset (a DatasetDict saved by a stage of mtp-prep), refused in one line naming the
+    directory when it is missing or its files are damaged (a truncated .arrow, a deleted split)."""
+    from datasets import load_from_disk
+
+    if not (Path(d) / MANIFEST).is_file():
+        raise DataError(f"{d}: no prepared dataset here; {next_step}")
+    try:
+        ds = load_from_disk(str(d))
+        for split in ds:  # reading the first and last rows reaches the end of every file
+            if len(ds[split]):
+                ds[split][0], ds[split][len(ds[split]) - 1]
+    except Exception as e:  # datasets / pyarrow report damage as many error types
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DataError(f"{d}: the prepared dataset cannot be read ({type(e).__name__}: {first}); it is "
+                        "damaged: delete it and rerun the mtp-prep stage that wrote it") from None
+    return ds
+
+
 def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
     """Concatenate the train and validation splits of the prepared datasets in `dirs`; `sizes`, when
     given, receives each dataset's {split: rows} in order."""
-    from datasets import concatenate_datasets, load_from_disk
+    from datasets import concatenate_datasets
 
     parts = {"train": [], "validation": []}
     for d in dirs:
-        if not (Path(d) / MANIFEST).is_file():
-            raise DataError(f"{d}: no prepared dataset here; run `mtp-prep` with the same "
-                            "backbone= and data= first")
-        ds = load_from_disk(str(d))
+        ds = load_prepared(d, "run `mtp-prep` with the same backbone= and data= first")
         for s in parts:
             parts[s].append(ds[s].select_columns(COLUMNS))
         if sizes is not None:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mtp_train.errors import DataError
-from mtp_train.layout import MANIFEST
 
 
 def checked_messages(raw: list, where: str) -> list[dict]:
@@ -90,11 +89,9 @@ def row_prompt(ids: list[int], labels: list[int]) -> list[int] | None:
 def held_out_prompts(data_dir: Path, split: str = "validation") -> list[list[int]]:
     """The prompts of a prepared data split (by default the held-out one): each row's tokens before
     its first labelled (assistant) token, i.e. the rendered conversation up to the generation prompt."""
-    from datasets import load_from_disk
+    from mtp_train.data.prepared import load_prepared
 
-    if not (Path(data_dir) / MANIFEST).is_file():
-        raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep` or set eval.prompts")
-    rows = load_from_disk(str(data_dir))[split]
+    rows = load_prepared(data_dir, "run `mtp-prep` or set eval.prompts")[split]
     out = [p for p in map(row_prompt, rows["input_ids"], rows["labels"]) if p]
     if not out:
         raise DataError(f"{data_dir}: the {split} split has no prompt")
@@ -103,11 +100,9 @@ def held_out_prompts(data_dir: Path, split: str = "validation") -> list[list[int
 
 def dataset_ids(data_dir: Path) -> set[str]:
     """The conversation ids of a prepared dataset, over all of its splits."""
-    from datasets import load_from_disk
+    from mtp_train.data.prepared import load_prepared
 
-    if not (Path(data_dir) / MANIFEST).is_file():
-        raise DataError(f"{data_dir}: no prepared dataset here; run `mtp-prep stage=data` first")
-    ds = load_from_disk(str(data_dir))
+    ds = load_prepared(data_dir, "run `mtp-prep stage=data` first")
     return {str(i) for split in ds for i in ds[split]["id"]}
 
 
