@@ -272,7 +272,7 @@ def test_an_export_of_a_tied_embedding_backbone_writes_each_tensor_on_its_own(tm
 
 @pytest.mark.bad_input
 @pytest.mark.integration
-def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path):
+def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path, capsys):
     """An export replaces its directory whole: --out naming the run, a directory holding the run, a
     user's non-empty directory or a file is refused in one line, and every file is still there."""
     from mtp_train.cli.export import main
@@ -293,6 +293,9 @@ def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path):
         with pytest.raises(MtpError, match=why):
             export_for_engine(run, "medusa", out)
         assert main([str(run), "--format", "medusa", "--out", str(out)]) == 2
+    capsys.readouterr()
+    assert main([str(run), "--format", "medusa", "--out", str(a_file / "sub")]) == 2  # cannot be created
+    assert "nothing half-written was published" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.parent != mine
                   and p not in (mine, a_file)) == before

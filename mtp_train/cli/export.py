@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except MtpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only run or destination, a full disk: exports publish atomically
+        print(f"error: {e.filename or args.out or args.run_dir}: {e.strerror}; nothing half-written was "
+              "published (free space or fix permissions, then rerun)", file=sys.stderr)
+        return 2
     return 0
 
 
