@@ -89,6 +89,18 @@ def test_a_cpu_without_avx2_is_refused_in_one_line():
 
 
 @pytest.mark.bad_input
+def test_no_fixed_port_or_python_path_of_ours_reaches_the_engine():
+    """The engine's processes bind free loopback ports of their own choosing: a VLLM_PORT or
+    MASTER_PORT left in the environment (maybe a port in use) is not passed on, nor our venv's paths."""
+    base = {"PATH": "/usr/bin", "VLLM_PORT": "8000", "VLLM_HOST_IP": "10.0.0.1", "MASTER_PORT": "29500",
+            "MASTER_ADDR": "node1", "PYTHONPATH": "/work/main", "PYTHONHOME": "/x", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    got = check.engine_environment({"kv_gib": 2}, base)
+    assert got["PATH"] == "/usr/bin" and got["VLLM_CPU_OMP_THREADS_BIND"] == "all"
+    assert not {"VLLM_PORT", "VLLM_HOST_IP", "MASTER_PORT", "MASTER_ADDR", "PYTHONPATH", "PYTHONHOME"} & set(got)
+    assert (got["VLLM_CPU_KVCACHE_SPACE"], got["HF_HUB_OFFLINE"]) == ("2", "1")
+
+
+@pytest.mark.bad_input
 def test_a_missing_engine_environment_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_ROOT", str(tmp_path))
     monkeypatch.setattr(env, "check_cpu", lambda flags=None: {"avx2"})

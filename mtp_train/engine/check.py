@@ -47,6 +47,20 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 TAMPERS = ("aux_layers", "norm_before_residual")
 
 
+# settings of ours that must not reach the engine: our venv's Python paths, and fixed ports or
+# addresses (the engine's processes talk over loopback ports they choose free at start-up, so a
+# port already in use elsewhere cannot stop them, unless one of these pins it)
+_NOT_FOR_THE_ENGINE = ("PYTHON", "VLLM_PORT", "VLLM_HOST_IP", "MASTER_PORT", "MASTER_ADDR")
+
+
+def engine_environment(spec: dict, base: dict | None = None) -> dict:
+    """The environment the engine worker starts with."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(_NOT_FOR_THE_ENGINE)}
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(spec.get("kv_gib", 1)), TOKENIZERS_PARALLELISM="false",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+    return env
+
+
 class EngineWorker:
     """The engine worker process (worker.py), talked to over its stdin / stdout, in a process group
     of its own that `close` always takes down (the engine's own worker processes with it)."""
@@ -55,12 +69,9 @@ class EngineWorker:
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
         worker = Path(__file__).with_name("worker.py")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # not our venv's paths
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(spec.get("kv_gib", 1)), TOKENIZERS_PARALLELISM="false",
-                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen([str(python), str(worker), json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
-                                     env=env, start_new_session=True)
+                                     env=engine_environment(spec), start_new_session=True)
         try:
             self.ready = self._read(START_TIMEOUT_S)["ready"]
         except BaseException:
