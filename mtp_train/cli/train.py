@@ -1,6 +1,6 @@
 """mtp-train: train k draft heads on a frozen backbone; writes heads.safetensors + heads.json.
 
-  mtp-prep backbone=tiny && mtp-train backbone=tiny        # seconds: a tiny Llama and in-code data
+  mtp-prep debug=smoke && mtp-train debug=smoke          # a tiny Llama, in-code data, 4 steps
   mtp-train heads=medusa heads.k=4 loss=kl loss.adamtp=true
   mtp-train -m loss=ce,e2e_tv heads.k=2,3 backbone=tiny    # local sweep, one run dir per point
   mtp-train hydra.run.dir=runs/my_run                      # rerun the same command to resume
