@@ -69,6 +69,8 @@ def distill_plan(source_manifest: dict, backbone_name: str, tokenizer, cfg: Dist
                                          "batch_size", "shard_size", "max_train_prompts",
                                          "max_val_prompts", "seed", "keep_states")}
     gen["autocast"] = resolve_autocast(device, cfg.autocast)
+    if cfg.engine != "hf":  # absent for HF generate, so the rows it made before keep their hash
+        gen["engine"] = cfg.engine
     if cfg.do_sample:
         gen.update(temperature=cfg.temperature, top_p=cfg.top_p)
     return {"source_hash": source_manifest["config_hash"], "backbone": backbone_name,
@@ -81,8 +83,10 @@ def _shards(n_rows: int, size: int) -> list[tuple[int, int]]:
 
 
 def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_length: int,
-            force: bool = False) -> dict:
-    """Generate answers for the prompts of `source_dir`; writes a DatasetDict to `out_dir`."""
+            force: bool = False, backbone_dir: Path | None = None) -> dict:
+    """Generate answers for the prompts of `source_dir`; writes a DatasetDict to `out_dir`.
+    `backbone_dir`: where the backbone's weights are, for data.distill.engine=vllm (None: a backbone
+    built in code, saved for the engine under the shards directory)."""
     from datasets import DatasetDict, concatenate_datasets, load_from_disk
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
@@ -122,18 +126,19 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     device = backbone.device
     t0, new_tokens = time.time(), 0
     bar = tqdm(total=total, initial=rows_done, unit="row", desc="self-distill", dynamic_ncols=True)
-    for w in work:
-        if (shards_dir / _shard_name(w)).is_dir():
-            continue
-        split, idx, start, end = w
-        rows = source[split].select(range(start, end))
-        records, skipped, n_new, states = _generate_shard(
-            model, tok, rows, cfg, max_length, device,
-            seed=cfg.seed * 100_003 + idx + (split == "validation") * 50_000)
-        new_tokens += n_new
-        _save_shard(shards_dir, w, records, skipped, source[split].features, states)
-        bar.update(end - start)
-        bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
+    with _engine(cfg, backbone, backbone_dir, shards_dir, needed=len(done) < len(work)) as engine:
+        for w in work:
+            if (shards_dir / _shard_name(w)).is_dir():
+                continue
+            split, idx, start, end = w
+            rows = source[split].select(range(start, end))
+            records, skipped, n_new, states = _generate_shard(
+                model, tok, rows, cfg, max_length, device,
+                seed=cfg.seed * 100_003 + idx + (split == "validation") * 50_000, engine=engine)
+            new_tokens += n_new
+            _save_shard(shards_dir, w, records, skipped, source[split].features, states)
+            bar.update(end - start)
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     bar.close()
 
     parts, skipped = {s: [] for s in SPLITS}, Counter()
@@ -162,12 +167,39 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     }
     tmp = temp_dir_for(out_dir)
     result.save_to_disk(str(tmp))
-    if cfg.keep_states:
+    if cfg.keep_states and cfg.engine == "hf":  # the engine keeps none: the cache stage computes them
         _gather_states(shards_dir, work, tmp / STATES, plan, {s: len(result[s]) for s in SPLITS})
     write_json_atomic(tmp / MANIFEST, manifest)
     publish_dir(tmp, out_dir)
     shutil.rmtree(shards_dir, ignore_errors=True)
     return manifest
+
+
+@contextlib.contextmanager
+def _engine(cfg: DistillConfig, backbone, backbone_dir: Path | None, scratch: Path, needed: bool):
+    """None for HF generate (or nothing left to distill); for data.distill.engine=vllm, a function
+    prompt ids -> greedy answer ids served by the engine (mtp_train/engine/), which is started once
+    for every shard and always stopped again."""
+    if cfg.engine == "hf" or not needed:
+        yield None
+        return
+    from mtp_train.engine import env as engine_env
+    from mtp_train.engine.check import EngineWorker, check_head_size
+
+    engine_env.check_cpu()
+    check_head_size(backbone.config, "data.distill.engine=vllm: the backbone")
+    python = engine_env.ensure_env(log=lambda m: log.info("%s", m))
+    if backbone_dir is None:  # built in code: the engine reads weights from a directory
+        backbone_dir = scratch / "engine-backbone"
+        backbone.model.save_pretrained(backbone_dir, safe_serialization=True)
+        backbone.tokenizer.save_pretrained(backbone_dir)
+    spec = {"model": str(backbone_dir), "max_tokens": cfg.max_new_tokens, "eos": eos_ids(backbone.model, backbone.tokenizer),
+            "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens + 16, "max_num_seqs": cfg.batch_size,
+            "dtype": resolve_autocast(backbone.device, cfg.autocast), "memory_fraction": 0.2, "engines": {"distill": {}}}
+    log.info("distill: answering with %s (%s, %s, %d sequences at a time)", engine_env.PACKAGE, backbone_dir,
+             spec["dtype"], cfg.batch_size)
+    with EngineWorker(python, spec, scratch / "engine.log") as worker:
+        yield lambda prompts: worker.ask(op="generate_batch", engine="distill", prompts=prompts)["outputs"]
 
 
 def _shard_name(w) -> str:
@@ -226,12 +258,8 @@ def _save_shard(shards_dir: Path, w, records: list[dict], skipped: Counter, sour
     publish_dir(tmp, final)
 
 
-@torch.no_grad()
-def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, device, seed: int):
-    """Answers for one shard; returns (records, skipped reasons, new tokens generated, the records'
-    states (`cache.RowStates`, in record order) or None without data.distill.keep_states)."""
-    autocast = resolve_autocast(device, cfg.autocast)
-    keep_states = cfg.keep_states
+def _prompt_items(rows, tok, cfg: DistillConfig) -> tuple[list, Counter]:
+    """(row, prompt messages, prompt ids) of the rows that can be distilled, and why the others cannot."""
     items, skipped = [], Counter()
     for r in rows:
         msgs = prompt_messages(r["messages"])
@@ -244,15 +272,22 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
             skipped["prompt longer than data.distill.max_prompt_tokens"] += 1
             continue
         items.append((r, msgs, ids))
+    return items, skipped
+
+
+def _hf_answers(model, tok, items, cfg: DistillConfig, max_length: int, device, seed: int,
+                eos: list[int]) -> tuple[dict, dict]:
+    """HF generate's answers to `items` ({item: answer ids}) and, with data.distill.keep_states,
+    their states ({item: RowStates}), in batches of data.distill.batch_size."""
+    autocast = resolve_autocast(device, cfg.autocast)
+    keep_states = cfg.keep_states
     # longest first: batches of similar length waste less padding; the order is fixed, so a
     # resumed run builds the same batches
     order = sorted(range(len(items)), key=lambda i: (-len(items[i][2]), i))
-    eos = eos_ids(model, tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     answers: dict[int, list[int]] = {}
     states: dict[int, tuple] = {}
     torch.manual_seed(seed)
-    n_new = 0
     for b in range(0, len(order), cfg.batch_size):
         batch = order[b: b + cfg.batch_size]
         width = max(len(items[i][2]) for i in batch)
@@ -274,7 +309,6 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
         new = out.sequences[:, width:].tolist()  # (B, <= max_new_tokens)
         for row, i in enumerate(batch):
             answers[i] = cut_at_eos(new[row], eos)[0]
-            n_new += len(answers[i])
         if keep_states:
             hidden = torch.cat(tap.parts, dim=1)  # (B, width + steps, d): every input position's state
             spans = [(width - len(items[i][2]), min(len(items[i][2]) + len(answers[i]), max_length))
@@ -283,7 +317,25 @@ def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, devic
                 kept_b = batch_states([hidden[row, a: a + n] for row, (a, n) in enumerate(spans)],
                                       model.get_output_embeddings(), STATES_DTYPE)
             states.update(zip(batch, kept_b, strict=True))
+    return answers, states
 
+
+@torch.no_grad()
+def _generate_shard(model, tok, rows, cfg: DistillConfig, max_length: int, device, seed: int, engine=None):
+    """Answers for one shard; returns (records, skipped reasons, new tokens generated, the records'
+    states (`cache.RowStates`, in record order) or None without data.distill.keep_states).
+    `engine` (prompt ids -> answer ids, greedy): the serving engine answers instead of HF generate,
+    and no states are kept."""
+    items, skipped = _prompt_items(rows, tok, cfg)
+    eos = eos_ids(model, tok)
+    if engine is not None:
+        keep_states, states = False, {}
+        got = engine([ids for _, _, ids in items]) if items else []
+        answers = {i: cut_at_eos(a, eos)[0] for i, a in enumerate(got)}
+    else:
+        keep_states = cfg.keep_states
+        answers, states = _hf_answers(model, tok, items, cfg, max_length, device, seed, eos)
+    n_new = sum(map(len, answers.values()))
     records, kept = [], []
     for i, (r, msgs, ids) in enumerate(items):
         ans = answers[i]

@@ -75,8 +75,10 @@ def _stage_distill(cfg: Config) -> dict:
 
     backbone = load_backbone(cfg.backbone)
     check_labelled_is_current(cfg, backbone.tokenizer)
+    from mtp_train.pipeline.serving import backbone_for_serving
+
     m = distill(labelled_dir(cfg), distilled_dir(cfg), backbone, cfg.data.distill,
-                cfg.data.max_length, force=cfg.force)
+                cfg.data.max_length, force=cfg.force, backbone_dir=backbone_for_serving(cfg.backbone))
     return {"where": str(distilled_dir(cfg)),
             "rows": f"train {m['splits']['train']:,} / val {m['splits']['validation']:,} "
                     f"({m['finished_with_eos']['train']:,} train answers ended with end-of-turn)",

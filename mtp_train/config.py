@@ -226,6 +226,10 @@ class DistillConfig:
     autocast: str = "auto"
     keep_states: bool = True  # keep the backbone's hidden states of the distilled rows for the cache
     seed: int = 0
+    # hf: HF generate in this process; vllm: the serving engine (vLLM's CPU build in its own venv,
+    # mtp_train/engine/), about 2x faster at batch 32 (docs/serving.md), greedy only, keeps no states
+    # (the cache stage then runs the backbone over the distilled rows)
+    engine: str = "hf"
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
@@ -237,6 +241,9 @@ class DistillConfig:
         check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
         check_choice(self.autocast, ("auto", *DTYPES), "data.distill.autocast")
         check_seed(self.seed, "data.distill.seed")
+        check_choice(self.engine, ("hf", "vllm"), "data.distill.engine")
+        check(self.engine == "hf" or not self.do_sample, "data.distill.engine",
+              "vllm distils greedily only (data.distill.do_sample=true needs engine=hf)")
 
 
 @dataclass

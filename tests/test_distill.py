@@ -174,3 +174,21 @@ def test_distillation_is_redone_for_another_backbone(tmp_path, labelled, tiny_ba
     monkeypatch.setattr(distill_mod, "_generate_shard", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = distill_mod.distill(tmp_path / "labelled", tmp_path / "out", other, DCFG, 128)
     assert calls and again["config_hash"] != first["config_hash"]
+
+
+@pytest.mark.bad_input
+def test_the_engine_distils_greedily_only_and_hf_rows_keep_their_hash():
+    """data.distill.engine=vllm with do_sample is refused naming the key; choosing hf (the default)
+    leaves the plan's hash what it was before the engine existed, so no finished rows are redone."""
+    from data_prep.distill import distill_plan
+    from mtp_train.backbone import build_tiny_tokenizer
+    from mtp_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data.distill.engine: vllm distils greedily only"):
+        DistillConfig(engine="vllm", do_sample=True)
+    with pytest.raises(ConfigError, match=r"^data.distill.engine: unknown value 'sglang'"):
+        DistillConfig(engine="sglang")
+    tok, cpu = build_tiny_tokenizer(), torch.device("cpu")
+    hf = distill_plan({"config_hash": "x"}, "b", tok, DistillConfig(), 64, cpu)
+    assert "engine" not in hf["generation"]
+    assert distill_plan({"config_hash": "x"}, "b", tok, DistillConfig(engine="vllm"), 64, cpu)["generation"]["engine"] == "vllm"

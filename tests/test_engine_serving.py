@@ -90,3 +90,39 @@ def test_served_medusa_heads_are_lossless_and_counted_as_we_count(tmp_path_facto
     assert r["engine_tau"] > 1.3
     assert r["agree"], (r["engine_tau"], r["ours_tau"], r["engine_accept_per_pos"], r["ours_accept_per_pos"])
     assert _engine_processes() == []
+
+
+def test_distillation_through_the_engine_writes_the_rows_hf_generate_writes(tmp_path):
+    """data.distill.engine=vllm: the same prompts answered by the engine (greedy, fp32) give the rows
+    HF generate gives, token for token, keep no states (the cache stage computes them), and leave
+    no engine process behind."""
+    import dataclasses
+
+    from hydra import compose, initialize_config_dir
+
+    from data_prep.stages import run_prep
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config_rules import validate
+    from mtp_train.data.prepared import load_prepared
+    from mtp_train.layout import STATES, distilled_dir
+
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return validate(compose(config_name="config", overrides=[
+                f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/out", *FAST,
+                "backbone.tiny.num_layers=5", "backbone.tiny.num_heads=2",
+                "data.distill.autocast=float32", "data.distill.max_new_tokens=48", *extra]))
+
+    rows = {}
+    for engine in ("hf", "vllm"):
+        c = cfg(f"data.distill.engine={engine}")
+        for stage in ("data", "distill"):
+            run_prep(dataclasses.replace(c, stage=stage))
+        ds = load_prepared(distilled_dir(c))
+        rows[engine] = {s: list(ds[s]["input_ids"]) for s in ds}
+        assert (distilled_dir(c) / STATES).is_dir() == (engine == "hf")
+    assert not _engine_processes()
+    for split in ("train", "validation"):
+        assert len(rows["vllm"][split]) == len(rows["hf"][split]) > 0
+        same = sum(a == b for a, b in zip(rows["vllm"][split], rows["hf"][split], strict=True))
+        assert same == len(rows["hf"][split]), f"{split}: {same} of {len(rows['hf'][split])} rows equal"

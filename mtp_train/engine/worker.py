@@ -7,11 +7,15 @@ JSON object per line, on the stdout it was started with (everything the engine p
 stderr instead):
 
   {"op": "generate", "engine": NAME, "prompt": [ids]} -> {"tokens": [ids], "seconds": s}
+  {"op": "generate_batch", "engine": NAME, "prompts": [[ids], ...]}
+                                                        -> {"outputs": [[ids], ...], "seconds": s}
   {"op": "metrics", "engine": NAME}                   -> {"metrics": {name: value or [values]}}
   {"op": "quit"}                                        -> exits
 
 so that the caller can interleave the engines with its own decoder prompt by prompt. Greedy
-decoding (temperature 0), at most one sequence at a time (batch 1, as the decoder runs).
+decoding (temperature 0), in float32 and at most one sequence at a time (batch 1, as the decoder
+runs) unless the spec or an engine's own settings say otherwise (`dtype`, `max_num_seqs`: the
+distillation benchmark batches).
 """
 
 import json
@@ -53,11 +57,11 @@ def main() -> None:
     engines = {}
     for name, extra in spec["engines"].items():
         t0 = time.perf_counter()
-        engines[name] = LLM(model=spec["model"], tokenizer=spec.get("tokenizer") or spec["model"],
-                            skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"), enforce_eager=True,
-                            max_num_seqs=1, max_model_len=spec["max_model_len"], seed=0,
-                            gpu_memory_utilization=spec.get("memory_fraction", 0.25),
-                            disable_log_stats=False, **extra)
+        settings = dict(model=spec["model"], tokenizer=spec.get("tokenizer") or spec["model"],
+                        skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"), enforce_eager=True,
+                        max_num_seqs=spec.get("max_num_seqs", 1), max_model_len=spec["max_model_len"], seed=0,
+                        gpu_memory_utilization=spec.get("memory_fraction", 0.25), disable_log_stats=False)
+        engines[name] = LLM(**{**settings, **extra})
         print(f"[worker] engine {name} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], stop_token_ids=spec["eos"],
                             detokenize=False)
@@ -72,6 +76,11 @@ def main() -> None:
             out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], params, use_tqdm=False)
             secs = time.perf_counter() - t0
             reply.write(json.dumps({"tokens": list(out[0].outputs[0].token_ids), "seconds": secs}) + "\n")
+        elif req["op"] == "generate_batch":  # all at once: the engine schedules them max_num_seqs at a time
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+            secs = time.perf_counter() - t0
+            reply.write(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in out], "seconds": secs}) + "\n")
         elif req["op"] == "metrics":
             reply.write(json.dumps({"metrics": _metrics(llm)}) + "\n")
         else:
