@@ -216,3 +216,23 @@ def test_sbatch_template_runs_two_ranks_under_srun(slurm, tmp_path):
     meta = json.loads((run / "heads.json").read_text())
     assert meta["run"]["world_size"] == 2 and meta["run"]["slurm_job_id"]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_an_output_directory_that_cannot_be_written_is_one_line_before_hydra_writes(tmp_path):
+    """A run or sweep directory under a file, or where nothing can be created: exit 2 and one line
+    naming the key, not Hydra's traceback from its mkdir."""
+    from mtp_train.cli.sweep import unwritable_reason
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    assert "Not a directory" in unwritable_reason(a_file / "run")
+    assert unwritable_reason(tmp_path / "new" / "run") is None and (tmp_path / "new" / "run").is_dir()
+    for args, key in ((["debug=smoke", f"hydra.run.dir={a_file}/run"], "hydra.run.dir"),
+                      (["-m", "debug=smoke", "hydra.sweep.dir=/proc/mtp-no-such"], "hydra.sweep.dir")):
+        r = subprocess.run([str(BIN / "mtp-train"), *args, f"paths.root_dir={tmp_path}"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert r.stderr.strip().startswith(f"error: {key}=") and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "cannot write there" in r.stderr and len(r.stderr.strip().splitlines()) == 1

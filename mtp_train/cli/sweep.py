@@ -95,6 +95,41 @@ def current_point() -> SweepPoint | None:
     return SweepPoint(name=name, values=values, sweep_dir=str(hc.sweep.dir))
 
 
+def unwritable_reason(directory: Path) -> str | None:
+    """Why `directory` cannot be created and written (None: it can; it is then created, as Hydra
+    would create it next): what the filesystem says to a mkdir and to a probe file inside."""
+    import tempfile
+
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        return f"{e.filename or d}: {e.strerror}"
+    return None
+
+
+class OutputDirCheck(Callback):
+    """Hydra callback: before a run (or a multirun) writes its .hydra/ record, refuse in one line an
+    output directory that cannot be written, instead of Hydra's traceback from its mkdir."""
+
+    @staticmethod
+    def _check(key: str, directory) -> None:
+        import sys
+
+        if (why := unwritable_reason(Path(str(directory)))) is not None:
+            print(f"error: {key}={directory}: cannot write there ({why}); choose another "
+                  f"{key} or paths.root_dir", file=sys.stderr)
+            raise SystemExit(2)
+
+    def on_run_start(self, config, **kwargs) -> None:
+        self._check("hydra.run.dir", config.hydra.run.dir)
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self._check("hydra.sweep.dir", config.hydra.sweep.dir)
+
+
 FAILED_POINTS: list[Path] = []  # the FAILED.txt of the multirun this process just ran (its exit code)
 
 
