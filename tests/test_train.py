@@ -206,6 +206,10 @@ def test_a_finished_run_is_skipped_a_longer_one_resumes_and_force_retrains(typed
     run_train(typed_cfg(*base, "trainer.max_steps=6", "force=true"))
     assert fits[-1] == (0, 6)
     assert list((tmp_path / "out" / SUPERSEDED).glob("*/heads.safetensors"))
+    run_train(typed_cfg(*base, "force=true"))  # the same recipe superseded again: nothing is deleted
+    kept = sorted((tmp_path / "out" / SUPERSEDED).glob("*/heads.json"))
+    assert [json.loads(f.read_text())["recipe"]["steps"] for f in kept] == [6, 6]  # both 6-step runs
+    assert kept[1].parent.name == kept[0].parent.name + "-2"
 
 
 @pytest.mark.integration

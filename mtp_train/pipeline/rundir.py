@@ -59,21 +59,26 @@ def finished_run(run_dir: Path, finished: str) -> dict | None:
     return None
 
 
+SUPERSEDED_ITEMS = (layout.CHECKPOINTS, HEADS_FILE, HEADS_META, layout.ADAPTER_DIR, TREE_STATS, layout.RUN_META,
+                    layout.CSV_LOGS)
+
+
 def supersede(run_dir: Path, old_recipe: str) -> Path:
     """Move what a run directory holds for another recipe (checkpoints, heads, logs) to
-    <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing."""
-    dest = run_dir / layout.SUPERSEDED / old_recipe
+    <run>/superseded/<old recipe>/, so a changed config trains afresh and loses nothing. A recipe
+    superseded before (force=true twice, or switching back and forth; the recipe does not hold
+    max_steps, so a long and a short run share it) gets a new directory, <old recipe>-2, -3, ...:
+    nothing moved there earlier is ever deleted."""
+    base = run_dir / layout.SUPERSEDED / old_recipe
+    dest, n = base, 1
+    while dest.exists() and any((dest / name).exists() for name in SUPERSEDED_ITEMS):
+        n += 1
+        dest = base.with_name(f"{old_recipe}-{n}")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (layout.CHECKPOINTS, HEADS_FILE, HEADS_META, layout.ADAPTER_DIR, TREE_STATS, layout.RUN_META,
-                 layout.CSV_LOGS):
+    for name in SUPERSEDED_ITEMS:
         src = run_dir / name
         if src.exists():
-            target = dest / name
-            if target.exists():  # superseded twice by the same recipe: keep the newer copy
-                import shutil
-
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            os.replace(src, target)
+            os.replace(src, dest / name)
     return dest
 
 
