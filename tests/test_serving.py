@@ -295,10 +295,14 @@ def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path, caps
         assert main([str(run), "--format", "medusa", "--out", str(out)]) == 2
     capsys.readouterr()
     assert main([str(run), "--format", "medusa", "--out", str(a_file / "sub")]) == 2  # cannot be created
-    assert "nothing half-written was published" in capsys.readouterr().err
+    assert "served.txt is a file, so no directory can be made under it" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.parent != mine
                   and p not in (mine, a_file)) == before
     (tmp_path / "empty").mkdir()
     out = export_for_engine(run, "medusa", tmp_path / "empty")  # an empty directory, then over itself
     assert export_for_engine(run, "medusa", out) == out and (out / "mtp_serving.json").is_file()
+    (out / "my_notes.txt").write_text("mine")  # an earlier export that now holds a user's file
+    with pytest.raises(MtpError, match=r"an earlier export that now also holds my_notes\.txt"):
+        export_for_engine(run, "medusa", out)
+    assert (out / "my_notes.txt").read_text() == "mine"

@@ -129,6 +129,10 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     return out
 
 
+# everything an export writes (write_for_engine): a directory holding anything else is not only ours
+EXPORT_ITEMS = {"config.json", WEIGHTS_FILE, SERVING_FILE, "backbone", MERGED_DIR}
+
+
 def check_destination(out: Path, run_dir: Path | None) -> None:
     """An export replaces its directory whole, so it writes only where that loses nothing: a new or
     empty directory, or an earlier export (it holds SERVING_FILE); never the run itself, nor a
@@ -137,6 +141,8 @@ def check_destination(out: Path, run_dir: Path | None) -> None:
     if out.exists() and not out.is_dir():
         raise MtpError(f"--out {out}: a file is there; name a directory for the export (it is never "
                        "written over a file)")
+    if (there := next(p for p in (out, *out.absolute().parents) if p.exists())) != out and not there.is_dir():
+        raise MtpError(f"--out {out}: {there} is a file, so no directory can be made under it")
     if run_dir is not None:
         run, target = Path(run_dir).resolve(), out.resolve()
         if target == run or target in run.parents:
@@ -147,6 +153,10 @@ def check_destination(out: Path, run_dir: Path | None) -> None:
         raise MtpError(f"--out {out}: a directory with files in it that is not an earlier export (no "
                        f"{SERVING_FILE}); an export replaces its directory whole, so it writes only to a "
                        "new or empty directory or over an earlier export")
+    if out.is_dir() and (foreign := sorted(p.name for p in out.iterdir() if p.name not in EXPORT_ITEMS)):
+        raise MtpError(f"--out {out}: an earlier export that now also holds {', '.join(foreign[:3])}"
+                       f"{' ...' if len(foreign) > 3 else ''}, which an export does not write; it would be "
+                       "deleted with the old export: move it out first, or name a new directory")
 
 
 def write_export(tmp: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
