@@ -288,6 +288,9 @@ def _write_report(root: Path) -> Path:
     md += ["## What ran", ""]
     times: dict = {}
     if heads:
+        from mtp_train.heads.persist import heads_config_from
+
+        heads_config_from(heads, train / layout.HEADS_META)  # its summary fields agree with its settings
         data_lines, times = _data_section(train, heads)
         m = heads.get("metrics", {})
         md += [f"- backbone: `{heads['backbone']['name']}` (hidden {heads['backbone']['hidden_size']}, "

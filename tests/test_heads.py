@@ -406,3 +406,32 @@ def test_damaged_heads_files_are_refused_naming_the_tensor_or_key(tiny_backbone,
     (tmp_path / "heads.json").write_text(json.dumps(meta))
     with pytest.raises(MtpError, match=message):
         load_heads(tmp_path, tiny_backbone)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("edit, message", [({"k": 2}, r"k is 2 but heads\.k is 3"),
+                                           ({"head_type": "medusa"}, r"head_type is 'medusa' but heads\.type is 'chained'")])
+def test_heads_json_whose_summary_contradicts_its_settings_is_refused(tiny_backbone, tmp_path, edit, message):
+    """heads.json's top-level head_type and k (what the report reads) must match its heads settings
+    (what loading builds): an edit that makes them differ is refused by loading and by mtp-report."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.errors import MtpError
+    from mtp_train.heads.persist import heads_state_dict, load_heads
+    from mtp_train.report import write_report
+
+    cfg = HeadsConfig(type="chained", k=3)
+    run = tmp_path / "train"
+    run.mkdir()
+    save_file(heads_state_dict(build_heads(cfg, tiny_backbone)), str(run / "heads.safetensors"))
+    meta = {"heads": dataclasses.asdict(cfg), "head_type": "chained", "k": 3,
+            "backbone": {"name": tiny_backbone.name, "hidden_size": 64, "vocab_size": 259,
+                         "fingerprint": tiny_backbone.fingerprint()}}
+    (run / "heads.json").write_text(json.dumps({**meta, **edit}))
+    with pytest.raises(MtpError, match=message):
+        load_heads(run, tiny_backbone)
+    with pytest.raises(MtpError, match=message):
+        write_report(tmp_path)

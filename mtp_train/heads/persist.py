@@ -75,9 +75,21 @@ def heads_config_from(meta: dict, meta_file: Path) -> HeadsConfig:
         if not _of_type(value, known[key]):
             raise MtpError(f"{meta_file}: heads.{key} is {value!r}; expected {known[key]}")
     try:
-        return HeadsConfig(**recorded)
+        cfg = HeadsConfig(**recorded)
     except (ConfigError, TypeError, ValueError) as e:
         raise MtpError(f"{meta_file}: its 'heads' settings are invalid ({e})") from None
+    check_heads_summary(meta, cfg, meta_file)
+    return cfg
+
+
+def check_heads_summary(meta: dict, cfg: HeadsConfig, meta_file: Path) -> None:
+    """heads.json states the family and k twice, at the top (what reports read) and in its 'heads'
+    settings (what loading builds): refuse a file where they differ (an edit), naming both."""
+    for top, nested in (("head_type", cfg.type), ("k", cfg.k)):
+        if top in meta and meta[top] != nested:
+            key = "type" if top == "head_type" else top
+            raise MtpError(f"{meta_file}: {top} is {meta[top]!r} but heads.{key} is {nested!r}; the file was "
+                           "edited or damaged (mtp-train writes both the same)")
 
 
 def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreign: bool) -> None:
