@@ -25,6 +25,7 @@ from mtp_train.data.cache import (
     HiddenCache,
     RowStates,
     offsets_file,
+    shard_digests,
     shard_file,
     sidecar,
 )
@@ -141,7 +142,7 @@ def build_cache(splits: dict, backbone, out: Path, key: str, max_length: int, dt
                 "hidden_size": backbone.hidden_size, "vocab_size": backbone.vocab_size, "aux_layers": list(aux_layers) if aux_layers else None,
                 "rows": {s: len(splits[s]) for s in SPLITS}, "shard_rows": shard_rows,
                 "batch_tokens": batch_tokens,
-                "tokens": n_tokens, "bytes": stored,
+                "tokens": n_tokens, "bytes": stored, "digests": shard_digests(out),
                 "bytes_per_token": round(stored / max(1, n_tokens), 1),
                 "elapsed_s_this_run": round(elapsed, 1),
                 "tokens_computed_this_run": computed, "tokens_reused_this_run": reused,

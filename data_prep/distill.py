@@ -42,7 +42,7 @@ from mtp_train.artifacts import (
 )
 from mtp_train.backbone import autocast_to, cut_at_eos, eos_ids, resolve_autocast
 from mtp_train.config import DistillConfig
-from mtp_train.data.cache import SPLITS, STATES_DTYPE, shard_file, sidecar
+from mtp_train.data.cache import SPLITS, STATES_DTYPE, shard_digests, shard_file, sidecar
 from mtp_train.data.prepared import load_prepared
 from mtp_train.data.sources import tokenizer_identity
 from mtp_train.data.template import IGNORE, render_prompt
@@ -236,7 +236,8 @@ def _gather_states(shards_dir: Path, work, out: Path, plan: dict, rows: dict) ->
         n[w[0]] += 1
     write_json_atomic(out / MANIFEST, {"stage": "states", "dtype": STATES_DTYPE,
                                        "compute": plan["generation"]["autocast"],
-                                       "backbone": plan["backbone_identity"], "rows": rows})
+                                       "backbone": plan["backbone_identity"], "rows": rows,
+                                       "digests": shard_digests(out) if out.is_dir() else {}})
 
 
 def _save_shard(shards_dir: Path, w, records: list[dict], skipped: Counter, source_features,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -258,12 +259,20 @@ def test_a_damaged_cache_is_refused_naming_the_file_and_a_leftover_temporary_is_
         (edit("train-00000.stats.npy", lambda a: a[:, :1]), r"train-00000\.stats\.npy: stats float32 of shape"),
         (edit("train-00000.top.npy", lambda a: a.astype(np.float32)), r"top\.npy: greedy tokens float32"),
         (drop_shard, r"train-00001\.npy: train has 8 rows in 1 shard\(s\) up to this missing one, the manifest says 24"),
+        # same shape and dtype, other values: only the manifest's digests can tell
+        (edit("train-00001.npy", np.zeros_like), r"train-00001\.npy: its contents changed after the cache was built"),
+        (edit("validation-00000.stats.npy", lambda a: np.full_like(a, np.nan)),
+         r"validation-00000\.stats\.npy: its contents changed"),
     ]
-    for damage, message in cases:
+    for i, (damage, message) in enumerate(cases):
         bad = tmp_path / "bad"
         shutil.rmtree(bad, ignore_errors=True)
         shutil.copytree(good, bad)
         damage(bad)
+        if i < len(cases) - 2:  # the structural checks, as for a cache whose manifest has no digests
+            m = json.loads((bad / "manifest.json").read_text())
+            assert m.pop("digests")
+            (bad / "manifest.json").write_text(json.dumps(m))
         with pytest.raises(DataError, match=message) as err:
             cache_mod.HiddenCache(bad, vocab_size=V)
         assert "delete it and run `mtp-prep stage=cache` again" in str(err.value)
@@ -272,6 +281,9 @@ def test_a_damaged_cache_is_refused_naming_the_file_and_a_leftover_temporary_is_
     shutil.rmtree(bad)
     shutil.copytree(good, bad)
     edit("train-00000.offsets.npy", lambda a: np.where(np.arange(len(a)) == 1, a - 1, a))(bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m.pop("digests")  # as a cache from before digests (or rows that came from other data)
+    (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DataError, match=r"train row 0 has states for \d+ tokens, the data's row has \d+ \(2 row"):
         CachedRows(splits["train"], cache_mod.HiddenCache(bad, vocab_size=V), "train")
     # a killed build's temporary file: removed by the next build, never counted

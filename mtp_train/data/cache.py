@@ -61,6 +61,22 @@ def offsets_file(hidden_file: Path) -> Path:
     return sidecar(hidden_file, "offsets")
 
 
+def file_digest(path: Path) -> str:
+    """xxh3-64 of a file's bytes (several GB/s: the whole cache is checked every time it is opened)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shard_digests(out: Path) -> dict[str, str]:
+    """{file name: digest} of every shard and sidecar in a cache directory (what its manifest records)."""
+    return {f.name: file_digest(f) for f in sorted(Path(out).glob("*.npy")) if ".tmp-" not in f.name}
+
+
 SIDECARS = ("offsets", "stats", "top", "aux")  # the files beside each shard's hidden states ("aux" optional)
 
 
@@ -91,6 +107,10 @@ class HiddenCache:
                          "`mtp-prep stage=cache` again")
 
     def _load(self, f: Path, mmap: bool = True) -> np.ndarray:
+        want = (self.manifest.get("digests") or {}).get(f.name)
+        if want is not None and f.is_file() and file_digest(f) != want:
+            raise self._damaged(f, "its contents changed after the cache was built (the digest in the "
+                                   "manifest differs)")
         try:
             return np.load(f, mmap_mode="r" if mmap else None, allow_pickle=False)
         except FileNotFoundError:
