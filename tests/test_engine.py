@@ -47,8 +47,19 @@ def test_our_steps_are_counted_as_the_engine_counts_them():
 
 
 def test_agreement_within_tolerance_names_no_cause():
-    assert check.causes(2.0, 2.0 * (1 + check.TAU_TOLERANCE * 0.9), [0.5, 0.3], [0.52, 0.31],
+    assert check.causes(2.0, 2.0 + 0.9 * check.tau_tolerance(2.0), [0.5, 0.3], [0.508, 0.291],
                         [1, 5, 9], [1, 5, 9], identical=True) == []
+
+
+def test_the_tolerance_is_a_share_of_what_the_drafter_adds():
+    """SmolLM2's demo heads with auxiliary layer ids moved by one: engine 1.265 against ours 1.290,
+    -1.9% of tau (inside 5% of tau) but -8.6% of the gain: a disagreement now."""
+    assert check.tau_tolerance(1.290) == pytest.approx(0.0145)
+    assert check.tau_tolerance(1.02) == check.TAU_FLOOR
+    assert check.causes(1.290, 1.265, [0.237, 0.046, 0.006], [0.229, 0.035, 0.001], [2, 15, 27], [3, 16, 28],
+                        identical=True)
+    assert check.causes(1.290, 1.290, [0.237, 0.046, 0.006], [0.237, 0.046, 0.006], [2, 15, 27], [2, 15, 27],
+                        identical=True) == []
 
 
 @pytest.mark.parametrize("engine_tau,engine_pos,engine_aux,identical,expect", [

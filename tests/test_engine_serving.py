@@ -64,7 +64,7 @@ def test_served_eagle3_heads_are_lossless_and_the_engine_counts_what_we_count(ea
     assert r["identical"], r["causes"]
     assert r["engine_tau"] > 1.5  # the engine really kept drafts
     assert r["agree"], (r["engine_tau"], r["ours_tau"], r["engine_accept_per_pos"], r["ours_accept_per_pos"])
-    assert abs(r["engine_tau"] - r["ours_tau"]) <= 0.05 * r["ours_tau"]
+    assert abs(r["engine_tau"] - r["ours_tau"]) <= 0.05 * (r["ours_tau"] - 1)
     assert r["engine_aux_layers"] == r["heads_aux_layers"]
     for key in ("engine_tok_s_with_drafter", "engine_tok_s_without", "ours_tok_s"):
         assert r[key] > 0
@@ -72,9 +72,9 @@ def test_served_eagle3_heads_are_lossless_and_the_engine_counts_what_we_count(ea
     assert _engine_processes() == []
 
 
-# norm_before_residual flipped is not in the list: on the tiny backbone its states are near unit RMS,
-# so the flip moved the engine's tau by +2.4% only, inside the tolerance (docs/serving.md)
-@pytest.mark.parametrize("tamper,cause", [("aux_layers", "auxiliary")])
+# norm_before_residual flipped: on the tiny backbone its states are near unit RMS, so the flip moved
+# the engine's tau by +2.4% only, but each position by 0.017-0.028, past the 0.01 tolerance
+@pytest.mark.parametrize("tamper,cause", [("aux_layers", "auxiliary"), ("norm_before_residual", "positions")])
 def test_a_broken_export_fails_the_comparison_and_names_a_cause(eagle3_run, tmp_path, tamper, cause):
     r = _check(eagle3_run, tmp_path, tamper=tamper)
     assert r["tampered"] and not r["agree"]

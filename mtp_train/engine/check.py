@@ -13,7 +13,7 @@ What it does, in one process tree that it always takes down again:
    per-position acceptance (accepted at position i / drafts) against ours computed the same way from
    our decoder's steps; tokens/s of all three.
 
-Agreement: |engine tau - ours| <= TAU_TOLERANCE x ours and every position within POS_TOLERANCE;
+Agreement: |engine tau - ours| <= `tau_tolerance(ours)` and every position within POS_TOLERANCE;
 a disagreement names its likely cause (`causes`). Results go to <out>/serve_check.json and, for a
 pipeline run, into its report.md (mtp_train/report.py)."""
 
@@ -34,8 +34,20 @@ from mtp_train.errors import MtpError
 
 log = logging.getLogger(__name__)
 
-TAU_TOLERANCE = 0.05  # relative, engine mean acceptance length vs ours
-POS_TOLERANCE = 0.03  # absolute, per-position acceptance
+# Agreement. The engine and our decoder run the same greedy fp32 chain, so with a faithful export
+# their counts agree exactly but for a rare near-tie that rounds the other way (a correct export
+# gave 0.0% on SmolLM2 and on the tiny backbone). A tolerance of 5% of tau let auxiliary layer ids
+# moved by one pass on SmolLM2 (1.265 vs 1.290: neighbouring layers hold similar states), so the
+# rule is relative to what the drafter adds: |engine tau - ours| <= 5% of (ours - 1), at least
+# 0.005, and every position within 0.01 (about 7 drafts in 670 on 20 prompts x 48 tokens).
+TAU_TOLERANCE = 0.05  # of the acceptance gain, ours_tau - 1
+TAU_FLOOR = 0.005
+POS_TOLERANCE = 0.01  # absolute, per-position acceptance
+
+
+def tau_tolerance(ours_tau: float) -> float:
+    """How far the engine's mean acceptance length may lie from ours and still agree."""
+    return max(TAU_FLOOR, TAU_TOLERANCE * (ours_tau - 1))
 SERVE_CHECK = "serve_check.json"
 SERVE_CHECK_DIR = "serve_check"  # inside the run directory
 ENGINE_LOG = "engine.log"
@@ -171,7 +183,7 @@ def causes(ours_tau: float, engine_tau: float, ours_pos: list[float], engine_pos
     if not identical:
         why.append("the engine's outputs with the drafter differ from its outputs without: its verification "
                    "is not lossless here (an engine bug, or the drafter's config changed the target's settings)")
-    tau_off = abs(engine_tau - ours_tau) > TAU_TOLERANCE * ours_tau
+    tau_off = abs(engine_tau - ours_tau) > tau_tolerance(ours_tau)
     pos_off = any(abs(a - b) > POS_TOLERANCE for a, b in zip(engine_pos, ours_pos, strict=False))
     if not (tau_off or pos_off):
         return why
@@ -355,7 +367,7 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
         "engine_accept_per_pos": engine_pos, "ours_accept_per_pos": ours_pos,
         "engine_counts": counts, "ours_counts": {"drafts": ours_drafts, "accepted_per_pos": ours_acc},
         "engine_aux_layers": engine_aux, "heads_aux_layers": heads_aux,
-        "tau_tolerance": TAU_TOLERANCE, "pos_tolerance": POS_TOLERANCE,
+        "tau_tolerance": tau_tolerance(ours_tau), "pos_tolerance": POS_TOLERANCE,
         "agree": not why, "causes": why,
         "engine_tok_s_with_drafter": rate("engine_with"), "engine_tok_s_without": rate("engine_without"),
         "ours_tok_s": rate("ours"),
@@ -374,7 +386,8 @@ def summary_lines(r: dict) -> list[str]:
         f"lossless in the engine: {'yes' if r['identical'] else 'NO'} ({r['identical_prompts']}/{r['n_prompts']} "
         f"outputs with the drafter equal the engine's without; {r['engine_matches_ours']}/{r['n_prompts']} equal ours)",
         f"mean acceptance length: engine {r['engine_tau']:.3f}, ours {r['ours_tau']:.3f} "
-        f"({100 * (r['engine_tau'] / r['ours_tau'] - 1):+.1f}%, tolerance {100 * r['tau_tolerance']:.0f}%)",
+        f"({100 * (r['engine_tau'] / r['ours_tau'] - 1):+.1f}%; tolerance {r['tau_tolerance']:.3f}, "
+        f"5% of what the drafter adds)",
         f"acceptance per position: engine {pos(r['engine_accept_per_pos'])}, ours {pos(r['ours_accept_per_pos'])} "
         f"(tolerance {r['pos_tolerance']})",
         f"tokens/s: engine with drafter {r['engine_tok_s_with_drafter']:.1f}, engine without "
