@@ -94,7 +94,7 @@ def _stage_cache(cfg: Config) -> dict:
     backbone = load_backbone(cfg.backbone)
     key, out = cache_location(cfg, backbone)
     compute = cache_compute(cfg, backbone)
-    m = build_cache(load_splits(data_dirs(cfg)), backbone, out, key,
+    m = build_cache(load_splits(data_dirs(cfg), vocab_size=backbone.vocab_size), backbone, out, key,
                     max_length(cfg), compute=compute,
                     known=reusable_states(data_dirs(cfg), backbone.identity, compute),
                     aux_layers=aux_layers_for(cfg.heads, backbone.config))

@@ -230,3 +230,31 @@ def test_a_damaged_prepared_dataset_is_refused_in_one_line_naming_it(tmp_path, d
         arrow.unlink()
     with pytest.raises(DataError, match=r"/d: the prepared dataset cannot be read \(.*\); it is damaged"):
         load_prepared(tmp_path / "d")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("damage, message", [
+    ("label", r"/d/train: row 1, position 2: label 4294967196 is neither -100 nor the token there \(2\)"),
+    ("length", r"/d/train: row 0 has 4 input_ids and 3 labels"),
+    ("vocab", r"/d/validation: row 0, position 1: token id 100000 is outside the backbone's vocabulary \[0, 259\)"),
+])
+def test_rows_that_would_train_on_wrong_targets_are_refused(tmp_path, damage, message):
+    """A damaged label turns a prompt token into a target, an id past the vocabulary breaks the
+    embedding: load_splits refuses both, naming the directory, split, row and position."""
+    from datasets import Dataset, DatasetDict
+
+    from mtp_train.data.prepared import load_splits
+    from mtp_train.layout import MANIFEST
+
+    train = {"input_ids": [[1, 2, 3, 4], [5, 6, 2, 8]], "labels": [[-100, -100, 3, 4], [-100, -100, 2, 8]]}
+    val = {"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}
+    if damage == "label":
+        train["labels"][1][2] = 4294967196
+    elif damage == "length":
+        train["labels"][0] = train["labels"][0][:3]
+    else:
+        val["input_ids"][0][1] = val["labels"][0][1] = 100000
+    DatasetDict({"train": Dataset.from_dict(train), "validation": Dataset.from_dict(val)}).save_to_disk(str(tmp_path / "d"))
+    (tmp_path / "d" / MANIFEST).write_text("{}")
+    with pytest.raises(DataError, match=message):
+        load_splits([tmp_path / "d"], vocab_size=259)

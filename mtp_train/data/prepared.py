@@ -36,9 +36,43 @@ def load_prepared(d: Path, next_step: str = "run `mtp-prep` first"):
     return ds
 
 
-def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
-    """Concatenate the train and validation splits of the prepared datasets in `dirs`; `sizes`, when
-    given, receives each dataset's {split: rows} in order."""
+def check_rows(rows, where: str, vocab_size: int | None = None) -> None:
+    """Refuse rows that would train on the wrong targets: input_ids and labels of different lengths,
+    a label that is neither IGNORE nor the token at its position (labels mark the answer tokens
+    themselves; a damaged file can turn prompt tokens into targets), token ids outside the
+    vocabulary. Vectorised over the arrow columns."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from mtp_train.depth_targets import IGNORE
+
+    table = rows.with_format("arrow")
+    ids_col, lab_col = table["input_ids"], table["labels"]
+    n_ids = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
+    n_lab = pc.list_value_length(lab_col).to_numpy(zero_copy_only=False)
+    damaged = "the prepared dataset is damaged: delete it and rerun the mtp-prep stage that wrote it"
+    if (bad := np.flatnonzero(n_ids != n_lab)).size:
+        i = int(bad[0])
+        raise DataError(f"{where}: row {i} has {n_ids[i]} input_ids and {n_lab[i]} labels; {damaged}")
+    ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False)
+    labels = pc.list_flatten(lab_col).to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.cumsum(n_ids)])
+    if (wrong := np.flatnonzero((labels != IGNORE) & (labels != ids))).size:
+        at = int(wrong[0])
+        row = int(np.searchsorted(starts, at, side="right")) - 1
+        raise DataError(f"{where}: row {row}, position {at - starts[row]}: label {labels[at]} is neither {IGNORE} "
+                        f"nor the token there ({ids[at]}); {damaged}")
+    if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        at = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+        row = int(np.searchsorted(starts, at, side="right")) - 1
+        raise DataError(f"{where}: row {row}, position {at - starts[row]}: token id {ids[at]} is outside the "
+                        f"backbone's vocabulary [0, {vocab_size}) (prepared for another tokenizer, or damaged)")
+
+
+def load_splits(dirs: list[Path], sizes: list[dict] | None = None, vocab_size: int | None = None):
+    """Concatenate the train and validation splits of the prepared datasets in `dirs`, each checked
+    (`check_rows`; token ids against `vocab_size` when given); `sizes`, when given, receives each
+    dataset's {split: rows} in order."""
     from datasets import concatenate_datasets
 
     parts = {"train": [], "validation": []}
@@ -46,6 +80,7 @@ def load_splits(dirs: list[Path], sizes: list[dict] | None = None):
         ds = load_prepared(d, "run `mtp-prep` with the same backbone= and data= first")
         for s in parts:
             parts[s].append(ds[s].select_columns(COLUMNS))
+            check_rows(parts[s][-1], f"{d}/{s}", vocab_size)
         if sizes is not None:
             sizes.append({s: len(ds[s]) for s in parts})
     return {s: concatenate_datasets(p) for s, p in parts.items()}

@@ -167,8 +167,9 @@ class RankSlice(Sampler):
 class MTPDataModule(L.LightningDataModule):
     def __init__(self, dirs: list[Path], pad_id: int, batch_size: int, max_length: int,
                  num_workers: int = 0, seed: int = 0, cache=None, data_fraction: float = 1.0,
-                 k: int | None = None, length_window: int = 0):
+                 k: int | None = None, length_window: int = 0, vocab_size: int | None = None):
         super().__init__()
+        self.vocab_size = vocab_size  # token ids of the rows are checked against it (load_splits)
         self.length_window = length_window  # batches per length-sorted window (ResumableSampler); 0: off
         self.k = k  # the heads' depth: each split needs a row long enough for one target at every depth
         self.cache = cache  # a HiddenCache: batches then carry "hidden" and the backbone is skipped
@@ -182,7 +183,7 @@ class MTPDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
             sizes = []
-            splits = load_splits(self.dirs, sizes)
+            splits = load_splits(self.dirs, sizes, self.vocab_size)
             if len(splits["train"]) == 0:
                 raise DataError(f"no training rows in {', '.join(map(str, self.dirs))}")
             keep = first_fraction([s["train"] for s in sizes], self.data_fraction)

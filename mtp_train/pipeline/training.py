@@ -32,7 +32,8 @@ def draft_vocab_for(cfg: Config, backbone):
     from mtp_train.data.prepared import load_splits
     from mtp_train.heads.vocab import label_token_counts, select_draft_vocab
 
-    counts = label_token_counts(load_splits(data_dirs(cfg))["train"], backbone.vocab_size)
+    counts = label_token_counts(load_splits(data_dirs(cfg), vocab_size=backbone.vocab_size)["train"],
+                                backbone.vocab_size)
     special = tuple(t for t in (backbone.tokenizer.eos_token_id, backbone.tokenizer.pad_token_id)
                     if t is not None)
     ids = select_draft_vocab(counts, n, always=special)
@@ -240,7 +241,7 @@ def _run_train(cfg: Config) -> dict:
     dm = MTPDataModule(data_dirs(cfg), pad if pad is not None else 0, cfg.train.batch_size,
                        max_length, cfg.train.num_workers, cfg.seed, cache=cache,
                        data_fraction=cfg.train.data_fraction, k=cfg.heads.k,
-                       length_window=cfg.train.length_window)
+                       length_window=cfg.train.length_window, vocab_size=backbone.vocab_size)
     if cfg.heads.init == "final_state" and done is None and not layout.last_checkpoint(run_dir).exists():
         fit_fc_to_final_state(heads, dm, backbone)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train, cfg.backbone.lora)
