@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from mtp_train import layout
+from mtp_train.artifacts import write_text_atomic
 from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import MtpError
 from mtp_train.evaluation.modes import MODES
@@ -273,8 +274,8 @@ def write_report(run_root: str | Path) -> Path:
         raise MtpError(f"{root}: a record there lacks what the report reads ({type(e).__name__}: {e}); "
                        "train/heads.json, eval/eval_report.json and clp/ are written by mtp-train, mtp-eval "
                        "and mtp-clp of this version: rerun the stage whose record was edited") from None
-    except OSError as e:  # a read-only run directory, a full disk: report.md is written there
-        raise MtpError(f"{e.filename or root}: cannot write the report ({e.strerror}); nothing was changed") from None
+    except OSError as e:  # a read-only run directory, a full disk, report.md a directory
+        raise MtpError(f"{root / layout.REPORT}: cannot write the report ({e.strerror}); nothing was changed") from None
 
 
 def _write_report(root: Path) -> Path:
@@ -383,9 +384,7 @@ def _write_report(root: Path) -> Path:
             if other:
                 md += [f"*{other}*: {_quote(row[other])}", ""]
     path = root / layout.REPORT
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(md) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, "\n".join(md) + "\n")
     return path
 
 

@@ -374,6 +374,7 @@ def test_a_bf16_copy_of_chained_heads_keeps_float32_rotary_frequencies(tiny_back
     ("ids_float", r"draft_ids must be a 1-D integer tensor"),
     ("k_string", r"heads\.k is '2'; expected int"),
     ("k_bool", r"heads\.k is True; expected int"),
+    ("hidden_string", r"backbone\.hidden_size is '64'; expected int"),
 ])
 def test_damaged_heads_files_are_refused_naming_the_tensor_or_key(tiny_backbone, tmp_path, damage, message):
     """What torch or the dataclass would take silently (int32 weights cast to zeros, ids that index
@@ -400,6 +401,8 @@ def test_damaged_heads_files_are_refused_naming_the_tensor_or_key(tiny_backbone,
                               "ids_negative": torch.tensor([-1, 7, 8, 40, 100, 258]),
                               "ids_duplicated": torch.tensor([3, 7, 7, 40, 100, 258]),
                               "ids_float": torch.tensor([3.0, 7, 8, 40, 100, 258])}[damage]
+    elif damage == "hidden_string":
+        meta["backbone"]["hidden_size"] = "64"
     else:
         meta["heads"]["k"] = {"k_string": "2", "k_bool": True}[damage]
     save_file(state, str(tmp_path / "heads.safetensors"))

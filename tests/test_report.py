@@ -192,8 +192,9 @@ def test_mtp_report_names_a_file_a_damaged_record_and_a_read_only_directory_in_o
     (tmp_path / "r1" / "eval").mkdir()
     (tmp_path / "r1" / "eval" / "eval_report.json").write_text(json.dumps(readable))
     if os.geteuid() == 0:  # root writes anywhere: make the report's own file a directory instead
-        (tmp_path / "r1" / "report.md.tmp").mkdir()
+        (tmp_path / "r1" / "report.md").mkdir()
     else:
         os.chmod(tmp_path / "r1", 0o555)
     assert main([str(tmp_path / "r1")]) == 2
-    assert "cannot write the report" in capsys.readouterr().err
+    assert "r1/report.md: cannot write the report" in capsys.readouterr().err
+    assert not list((tmp_path / "r1").glob("report.md.tmp*"))  # no temporary left behind

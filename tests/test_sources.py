@@ -99,6 +99,8 @@ def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
         json.dumps({"text": "no known field"}),
         json.dumps({"prompt": "   ", "response": "x"}),
         json.dumps({"prompt": "prompt without answer"}),
+        json.dumps({"prompt": 5, "response": None}),
+        json.dumps({"messages": "not a list"}),
     ]
     path = tmp_path / "user.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -106,8 +108,9 @@ def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
     convs = list(sources.read_jsonl(path, stats, keep_prompt_only=False))
     assert [c["messages"][-1]["content"] for c in convs] == ["2", "hey"]
     assert stats.dropped["malformed JSON line"] == 2
-    assert stats.bad_lines == [2, 5, 6]
+    assert stats.bad_lines == [2, 5, 6, 9, 10]
     assert stats.dropped['row without "prompt" or "messages"'] == 1
+    assert stats.dropped['"prompt" is not text'] == 1 and stats.dropped['"messages" is not a list of turns'] == 1
     assert stats.dropped["empty prompt"] == 1
     assert stats.dropped["no assistant turn"] == 1
     with caplog.at_level(logging.WARNING):

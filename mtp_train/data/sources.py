@@ -226,6 +226,10 @@ def row_to_messages(row, answer: bool = True) -> tuple[list | None, str | None]:
         if text is not None:
             msgs.append({"role": "assistant", "content": text})
         return msgs, None
+    for key in ("messages", "conversations", "prompt"):  # there, but of the wrong kind
+        if row.get(key) is not None:
+            kind = "a list of turns" if key != "prompt" else "text"
+            return None, f'"{key}" is not {kind}'
     return None, 'row without "prompt" or "messages"'
 
 

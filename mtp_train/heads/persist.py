@@ -134,6 +134,8 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     if not isinstance(bb, dict):
         raise MtpError(f"{meta_file}: has no 'backbone' record (written by mtp-train, or damaged)")
     for key, have in (("hidden_size", backbone.hidden_size), ("vocab_size", backbone.vocab_size)):
+        if not _of_type(bb.get(key), "int"):
+            raise MtpError(f"{meta_file}: backbone.{key} is {bb.get(key)!r}; expected int (edited or damaged)")
         if bb.get(key) != have:
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
                               f"this backbone ({backbone.name}) has {have}")
