@@ -65,11 +65,9 @@ def file_digest(path: Path) -> str:
     """xxh3-64 of a file's bytes (several GB/s: the whole cache is checked every time it is opened)."""
     import xxhash
 
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    from mtp_train.artifacts import hash_file
+
+    return hash_file(path, xxhash.xxh3_64())
 
 
 def shard_digests(out: Path) -> dict[str, str]:
