@@ -184,7 +184,7 @@ def _engine(cfg: DistillConfig, backbone, backbone_dir: Path | None, scratch: Pa
         yield None
         return
     from mtp_train.engine import env as engine_env
-    from mtp_train.engine.check import EngineWorker, check_head_size
+    from mtp_train.engine.check import REQUEST_TIMEOUT_S, EngineWorker, check_head_size
 
     engine_env.check_cpu()
     check_head_size(backbone.config, "data.distill.engine=vllm: the backbone")
@@ -193,13 +193,19 @@ def _engine(cfg: DistillConfig, backbone, backbone_dir: Path | None, scratch: Pa
         backbone_dir = scratch / "engine-backbone"
         backbone.model.save_pretrained(backbone_dir, safe_serialization=True)
         backbone.tokenizer.save_pretrained(backbone_dir)
+    context = getattr(backbone.config, "max_position_embeddings", None) or 10**9
     spec = {"model": str(backbone_dir), "max_tokens": cfg.max_new_tokens, "eos": eos_ids(backbone.model, backbone.tokenizer),
-            "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens + 16, "max_num_seqs": cfg.batch_size,
+            "max_model_len": min(cfg.max_prompt_tokens + cfg.max_new_tokens, context), "max_num_seqs": cfg.batch_size,
             "dtype": resolve_autocast(backbone.device, cfg.autocast), "memory_fraction": 0.2, "engines": {"distill": {}}}
     log.info("distill: answering with %s (%s, %s, %d sequences at a time)", engine_env.PACKAGE, backbone_dir,
              spec["dtype"], cfg.batch_size)
     with EngineWorker(python, spec, scratch / "engine.log") as worker:
-        yield lambda prompts: worker.ask(op="generate_batch", engine="distill", prompts=prompts)["outputs"]
+        def answer(prompts: list[list[int]]) -> list[list[int]]:
+            batches = -(-len(prompts) // cfg.batch_size)  # a whole shard in one request: it waits for all
+            return worker.ask(op="generate_batch", engine="distill", prompts=prompts,
+                              timeout=REQUEST_TIMEOUT_S * max(1, batches))["outputs"]
+
+        yield answer
 
 
 def _shard_name(w) -> str:

@@ -57,10 +57,10 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
                           "give a positive number, or -1 to let trainer.max_epochs decide")
     if epochs is not None and epochs == 0:
         raise ConfigError("trainer.max_epochs: 0 trains nothing (and would write untrained heads)")
-    if steps in (None, -1) and (epochs is None or epochs < 1):
+    if steps in (None, -1) and (epochs is None or epochs < 1) and not trainer.get("max_time"):
         raise ConfigError(f"trainer.max_steps: {steps} leaves the length of training to trainer.max_epochs, "
-                          f"which is {epochs} (Lightning would then train 1000 epochs); give max_steps, or a "
-                          "positive trainer.max_epochs")
+                          f"which is {epochs} (Lightning would then train 1000 epochs); give max_steps, a "
+                          "positive trainer.max_epochs, or trainer.max_time")
     clip = trainer.get("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                              or not math.isfinite(clip) or clip < 0):
@@ -222,31 +222,9 @@ def load_weights_only(path: Path, mmap: bool = False):
 
 
 def atomic_checkpoint_io():
-    """A Lightning CheckpointIO that publishes a checkpoint only once it is whole: written to a
-    temporary file beside the target, flushed to disk, then renamed over it. Lightning's own writes
-    a temporary in the system's temp directory and then moves it, which across filesystems is a
-    copy: a full disk there leaves a truncated last.ckpt and the previous good one is lost. Here a
-    failed write leaves the previous checkpoint as it was and no temporary behind."""
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-    class AtomicCheckpointIO(TorchCheckpointIO):
-        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-            import torch
-
-            if storage_options is not None:
-                raise TypeError("storage_options is not supported by AtomicCheckpointIO")
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "wb") as f:
-                    torch.save(checkpoint, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+    """A Lightning CheckpointIO that publishes a checkpoint only once it is whole
+    (mtp_train/checkpoint_io.py)."""
+    from mtp_train.checkpoint_io import AtomicCheckpointIO
 
     return AtomicCheckpointIO()
 

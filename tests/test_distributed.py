@@ -140,6 +140,9 @@ def test_trainer_checks_name_the_key():
     with pytest.raises(ConfigError, match="trainer.max_epochs: 0 trains nothing"):
         check_trainer({"accelerator": "cpu", "max_steps": -1, "max_epochs": 0}, gpus=0)
     check_trainer({"accelerator": "cpu", "max_steps": -1, "max_epochs": 2}, gpus=0)
+    check_trainer({"accelerator": "cpu", "max_steps": -1, "max_time": "00:04:00:00"}, gpus=0)  # a time budget
+    with pytest.raises(ConfigError, match="Lightning would then train 1000 epochs"):
+        check_trainer({"accelerator": "cpu", "max_steps": -1}, gpus=0)
 
 
 @pytest.mark.bad_input

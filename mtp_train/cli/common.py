@@ -63,6 +63,7 @@ def run_app(app) -> None:
     (the other points ran: a failed one does not stop the sweep, but the command does not pass)."""
     from mtp_train.cli.sweep import FAILED_POINTS
 
+    FAILED_POINTS.clear()
     app()
     if FAILED_POINTS:
         print(f"error: {len(FAILED_POINTS)} sweep point(s) failed (the reason is in each FAILED.txt): "

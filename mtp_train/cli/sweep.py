@@ -138,8 +138,16 @@ class SweepSummary(Callback):
     failed (`FAILED_POINTS`: the command then exits 1); after an mtp-train multirun also the sweep
     summary beside the points and, with logger=wandb, in the sweep's W&B group."""
 
+    def on_multirun_start(self, config, **kwargs) -> None:
+        import time
+
+        self._started = time.time()
+
     def on_multirun_end(self, config, **kwargs) -> None:
-        FAILED_POINTS[:] = sorted(Path(str(config.hydra.sweep.dir)).glob(f"*/{FAILED}"))
+        # only this multirun's failures (a reused sweep directory may hold older points' FAILED.txt)
+        since = getattr(self, "_started", 0.0)
+        FAILED_POINTS[:] = sorted(f for f in Path(str(config.hydra.sweep.dir)).glob(f"*/{FAILED}")
+                                  if f.stat().st_mtime >= since)
         if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json
             return
         from mtp_train.sweep import summarize

@@ -36,6 +36,14 @@ def load_prepared(d: Path, next_step: str = "run `mtp-prep` first"):
     return ds
 
 
+def _row_and_position(starts, at: int, first_row: int) -> tuple[int, int]:
+    """(row, position in it) of flat token index `at`, rows starting at `starts` (+ first_row rows before)."""
+    import numpy as np
+
+    row = int(np.searchsorted(starts, at, side="right")) - 1
+    return first_row + row, at - int(starts[row])
+
+
 def check_rows(rows, where: str, vocab_size: int | None = None) -> None:
     """Refuse rows that would train on the wrong targets: input_ids and labels of different lengths,
     a label that is neither IGNORE nor the token at its position (labels mark the answer tokens
@@ -46,27 +54,29 @@ def check_rows(rows, where: str, vocab_size: int | None = None) -> None:
 
     from mtp_train.depth_targets import IGNORE
 
-    table = rows.with_format("arrow")
-    ids_col, lab_col = table["input_ids"], table["labels"]
-    n_ids = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
-    n_lab = pc.list_value_length(lab_col).to_numpy(zero_copy_only=False)
     damaged = "the prepared dataset is damaged: delete it and rerun the mtp-prep stage that wrote it"
-    if (bad := np.flatnonzero(n_ids != n_lab)).size:
-        i = int(bad[0])
-        raise DataError(f"{where}: row {i} has {n_ids[i]} input_ids and {n_lab[i]} labels; {damaged}")
-    ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False)
-    labels = pc.list_flatten(lab_col).to_numpy(zero_copy_only=False)
-    starts = np.concatenate([[0], np.cumsum(n_ids)])
-    if (wrong := np.flatnonzero((labels != IGNORE) & (labels != ids))).size:
-        at = int(wrong[0])
-        row = int(np.searchsorted(starts, at, side="right")) - 1
-        raise DataError(f"{where}: row {row}, position {at - starts[row]}: label {labels[at]} is neither {IGNORE} "
-                        f"nor the token there ({ids[at]}); {damaged}")
-    if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        at = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-        row = int(np.searchsorted(starts, at, side="right")) - 1
-        raise DataError(f"{where}: row {row}, position {at - starts[row]}: token id {ids[at]} is outside the "
-                        f"backbone's vocabulary [0, {vocab_size}) (prepared for another tokenizer, or damaged)")
+    first_row = 0
+    for table in rows.with_format("arrow").iter(batch_size=8192):  # in pieces: bounded memory
+        ids_col, lab_col = table["input_ids"], table["labels"]
+        n_ids = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
+        n_lab = pc.list_value_length(lab_col).to_numpy(zero_copy_only=False)
+        if (bad := np.flatnonzero(n_ids != n_lab)).size:
+            i = int(bad[0])
+            raise DataError(f"{where}: row {first_row + i} has {n_ids[i]} input_ids and {n_lab[i]} labels; {damaged}")
+        ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False)
+        labels = pc.list_flatten(lab_col).to_numpy(zero_copy_only=False)
+        starts = np.concatenate([[0], np.cumsum(n_ids)])
+        if (wrong := np.flatnonzero((labels != IGNORE) & (labels != ids))).size:
+            at = int(wrong[0])
+            row, pos = _row_and_position(starts, at, first_row)
+            raise DataError(f"{where}: row {row}, position {pos}: label {labels[at]} is neither {IGNORE} "
+                            f"nor the token there ({ids[at]}); {damaged}")
+        if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            at = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+            row, pos = _row_and_position(starts, at, first_row)
+            raise DataError(f"{where}: row {row}, position {pos}: token id {ids[at]} is outside the "
+                            f"backbone's vocabulary [0, {vocab_size}) (prepared for another tokenizer, or damaged)")
+        first_row += len(n_ids)
 
 
 def load_splits(dirs: list[Path], sizes: list[dict] | None = None, vocab_size: int | None = None):

@@ -105,10 +105,10 @@ class EngineWorker:
                  else f"gave no answer in {timeout:.0f} s")
         raise MtpError(f"the engine {state}; its last lines ({self.log_path}):\n{self.tail()}")
 
-    def ask(self, **req) -> dict:
+    def ask(self, timeout: float = REQUEST_TIMEOUT_S, **req) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
-        answer = self._read(REQUEST_TIMEOUT_S)
+        answer = self._read(timeout)
         if "error" in answer:
             raise MtpError(f"the engine worker refused {req['op']}: {answer['error']}")
         return answer
