@@ -403,3 +403,31 @@ def test_bad_sampling_settings_are_refused_in_one_line_naming_the_key(compose_cf
 def test_a_sampled_metric_temperature_must_be_positive(compose_cfg, value):
     with pytest.raises(ConfigError, match=r"^train.sampled_tau_temperatures: each must be > 0"):
         validate(compose_cfg("backbone=tiny", f"train.sampled_tau_temperatures={value}"), command="train")
+
+
+@pytest.mark.bad_input
+def test_a_full_disk_is_one_line_however_the_writing_library_reports_it(compose_cfg, capsys):
+    """safetensors reports a full disk as SafetensorError, pyarrow as an OSError without errno: each
+    is still one line and exit 2 from a command, and other errors are not mistaken for it."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from mtp_train.cli.common import entry, write_failure
+
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                           'message: "No space left on device" })')
+    assert "No space left on device" in write_failure(full)
+    assert "Read-only file system" in write_failure(OSError("Read-only file system: /runs/x"))
+    assert write_failure(OSError(errno.ENOSPC, "No space left on device", "/runs/x/heads.safetensors")) == \
+        "/runs/x/heads.safetensors: No space left on device"
+    assert write_failure(ValueError("shapes differ")) is None
+
+    def task(cfg, typed):
+        raise full
+
+    with pytest.raises(SystemExit) as stop:
+        entry(task)(compose_cfg("backbone=tiny"))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: SafetensorError: No space left on device") and len(err.splitlines()) == 1

@@ -58,6 +58,24 @@ def compose_config(overrides: list[str]) -> Config:
         return validate(compose("config", overrides=overrides))
 
 
+# how libraries that wrap the OS error report a failed write (safetensors' SafetensorError, pyarrow's
+# ArrowIOError without an errno): their messages carry the OS's own words
+_WRITE_WORDS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
+                "File too large")
+
+
+def write_failure(error: BaseException) -> str | None:
+    """'<file>: <reason>' when `error` is a write the filesystem refused (a full disk, read-only,
+    permissions), however the library that wrote reports it; None otherwise."""
+    if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
+        return f"{error.filename or 'a file'}: {error.strerror}"
+    text = str(error)
+    for words in _WRITE_WORDS:
+        if words in text:
+            return f"{type(error).__name__}: {words} ({text.splitlines()[0][:200] if text else ''})"
+    return None
+
+
 def run_app(app) -> None:
     """Run a Hydra entry point; after a multirun whose points did not all succeed, name them and exit 1
     (the other points ran: a failed one does not stop the sweep, but the command does not pass)."""
@@ -129,9 +147,9 @@ def entry(task):
             if isinstance(e, MtpError):
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(2) from None
-            if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
-                print(f"error: {e.filename or 'a file'}: {e.strerror}; nothing unfinished was published "
-                      "(free space or fix permissions, then rerun: finished stages are kept)", file=sys.stderr)
+            if (what := write_failure(e)) is not None:
+                print(f"error: {what}; nothing unfinished was published (free space or fix permissions, then "
+                      "rerun: finished stages are kept)", file=sys.stderr)
                 raise SystemExit(2) from None
             raise
         finally:

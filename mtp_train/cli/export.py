@@ -53,9 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     except MtpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a read-only run or destination, a full disk: exports publish atomically
-        print(f"error: {e.filename or args.out or args.run_dir}: {e.strerror}; nothing half-written was "
-              "published (free space or fix permissions, then rerun)", file=sys.stderr)
+    except Exception as e:  # a read-only run or destination, a full disk: exports publish atomically
+        from mtp_train.cli.common import write_failure
+
+        if (what := write_failure(e)) is None:
+            raise
+        print(f"error: {what}; nothing half-written was published (free space or fix permissions, then "
+              "rerun)", file=sys.stderr)
         return 2
     return 0
 
