@@ -19,7 +19,7 @@ FLOORS = [
     ["mtp_train.backbone", "mtp_train.adapters", "mtp_train.heads.base", "mtp_train.heads.vocab",
      "mtp_train.heads.medusa", "mtp_train.heads.chained", "mtp_train.heads.eagle3", "mtp_train.heads.persist",
      "mtp_train.losses", "mtp_train.segmentation", "mtp_train.trees", "mtp_train.depth_targets", "mtp_train.teacher",
-     "mtp_train.clp", "mtp_train.data", "mtp_train.distributed", "mtp_train.tracking"],
+     "mtp_train.clp", "mtp_train.data", "mtp_train.distributed", "mtp_train.checkpoint_io", "mtp_train.tracking"],
     ["mtp_train.decoding"],
     ["mtp_train.evaluation", "mtp_train.lit", "mtp_train.sweep"],
     ["mtp_train.pipeline", "mtp_train.engine", "mtp_train.report"],
