@@ -44,7 +44,7 @@ def reusable_states(data_dirs: list[Path], backbone_identity: dict | None, compu
         rows = (read_manifest(d) or {}).get("splits") or {}
         sm = read_manifest(Path(d) / STATES)
         ok = (sm is not None and sm.get("backbone") == backbone_identity and sm.get("compute") == compute
-              and sm.get("dtype") == dtype and sm.get("rows") == rows)
+              and sm.get("dtype") == dtype and sm.get("rows") == rows and bool(sm.get("digests")))
         if sm is not None and not ok:
             log.info("cache: the states in %s were made otherwise (%s); recomputing those rows",
                      Path(d) / STATES, {k: sm.get(k) for k in ("compute", "dtype")})

@@ -269,9 +269,9 @@ def test_a_damaged_cache_is_refused_naming_the_file_and_a_leftover_temporary_is_
         shutil.rmtree(bad, ignore_errors=True)
         shutil.copytree(good, bad)
         damage(bad)
-        if i < len(cases) - 2:  # the structural checks, as for a cache whose manifest has no digests
+        if i < len(cases) - 2:  # the structural checks: as if the damage came with matching digests
             m = json.loads((bad / "manifest.json").read_text())
-            assert m.pop("digests")
+            m["digests"] = cache_mod.shard_digests(bad)
             (bad / "manifest.json").write_text(json.dumps(m))
         with pytest.raises(DataError, match=message) as err:
             cache_mod.HiddenCache(bad, vocab_size=V)
@@ -282,7 +282,11 @@ def test_a_damaged_cache_is_refused_naming_the_file_and_a_leftover_temporary_is_
     shutil.copytree(good, bad)
     edit("train-00000.offsets.npy", lambda a: np.where(np.arange(len(a)) == 1, a - 1, a))(bad)
     m = json.loads((bad / "manifest.json").read_text())
-    m.pop("digests")  # as a cache from before digests (or rows that came from other data)
+    m["digests"] = cache_mod.shard_digests(bad)  # consistent digests: rows that came from other data
+    (bad / "manifest.json").write_text(json.dumps(m))
+    (bad / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if k != "digests"}))
+    with pytest.raises(DataError, match=r"manifest.json: the manifest records no digest of its shard files"):
+        cache_mod.HiddenCache(bad, vocab_size=V)
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DataError, match=r"train row 0 has states for \d+ tokens, the data's row has \d+ \(2 row"):
         CachedRows(splits["train"], cache_mod.HiddenCache(bad, vocab_size=V), "train")

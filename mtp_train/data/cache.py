@@ -30,7 +30,9 @@ from mtp_train.layout import MANIFEST
 
 SPLITS = ("train", "validation")
 NP_DTYPES = {"float16": np.float16, "float32": np.float32}
-FORMAT = 2  # 2: hidden states + backbone stats; bump when the stored layout changes
+# 2: hidden states + backbone stats; 3: + a digest of every shard file in the manifest (required);
+# bump when the stored layout changes (the key holds it: caches of another format are rebuilt)
+FORMAT = 3
 STATES_DTYPE = "float16"  # how hidden states are stored
 
 
@@ -104,9 +106,11 @@ class HiddenCache:
         self.vocab_size = vocab_size if vocab_size is not None else self.manifest.get("vocab_size")
         # the digests are read once per cache and process, and on one rank per node (the others and
         # a second open in the same process trust that check)
+        if not isinstance(self.manifest.get("digests"), dict) or not self.manifest["digests"]:
+            raise self._damaged(self.path / MANIFEST, "the manifest records no digest of its shard files (every "
+                                "cache written since format 3 does): its contents cannot be checked")
         stamp = (str(self.path.resolve()), str(self.manifest.get("config_hash")), str(self.manifest.get("digests")))
-        self._verify = (bool(self.manifest.get("digests")) and stamp not in _VERIFIED
-                        and os.environ.get("LOCAL_RANK", "0") == "0")
+        self._verify = stamp not in _VERIFIED and os.environ.get("LOCAL_RANK", "0") == "0"
         self._splits = {s: self._open(s) for s in SPLITS}
         _VERIFIED.add(stamp)
 
@@ -115,8 +119,8 @@ class HiddenCache:
                          "`mtp-prep stage=cache` again")
 
     def _load(self, f: Path, mmap: bool = True) -> np.ndarray:
-        want = (self.manifest.get("digests") or {}).get(f.name) if self._verify else None
-        if want is not None and f.is_file() and file_digest(f) != want:
+        want = self.manifest["digests"].get(f.name, "not recorded")
+        if self._verify and f.is_file() and file_digest(f) != want:
             raise self._damaged(f, "its contents changed after the cache was built (the digest in the "
                                    "manifest differs)")
         try:
