@@ -438,3 +438,38 @@ def test_heads_json_whose_summary_contradicts_its_settings_is_refused(tiny_backb
         load_heads(run, tiny_backbone)
     with pytest.raises(MtpError, match=message):
         write_report(tmp_path)
+
+
+@pytest.mark.bad_input
+def test_heads_changed_after_training_wrote_them_are_refused_and_never_count_as_finished(tiny_backbone, tmp_path):
+    """heads.json records the sha256 of heads.safetensors: zeroed or truncated weights are refused by
+    loading (eval, clp, export) and a rerun of mtp-train does not skip over them as finished; a
+    draft_size that contradicts the file is refused too."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from mtp_train.artifacts import file_sha256
+    from mtp_train.errors import MtpError
+    from mtp_train.heads.persist import heads_state_dict, load_heads
+    from mtp_train.pipeline.rundir import finished_run
+
+    cfg = HeadsConfig(type="chained", k=2, draft_vocab=6)
+    state = heads_state_dict(build_heads(cfg, tiny_backbone, draft_ids=torch.tensor([3, 7, 8, 40, 100, 258])))
+    save_file(state, str(tmp_path / "heads.safetensors"))
+    meta = {"heads": dataclasses.asdict(cfg), "draft_size": 6, "recipe": {"finished": "f1"},
+            "weights_sha256": file_sha256(tmp_path / "heads.safetensors"),
+            "backbone": {"hidden_size": 64, "vocab_size": 259, "fingerprint": tiny_backbone.fingerprint()}}
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    load_heads(tmp_path, tiny_backbone)
+    assert finished_run(tmp_path, "f1") is not None
+    save_file({n: torch.zeros_like(t) if t.is_floating_point() else t for n, t in state.items()},
+              str(tmp_path / "heads.safetensors"))  # same header, zeroed weights
+    for call in (lambda: load_heads(tmp_path, tiny_backbone), lambda: finished_run(tmp_path, "f1")):
+        with pytest.raises(MtpError, match=r"heads\.safetensors: its contents changed after training wrote it"):
+            call()
+    save_file(state, str(tmp_path / "heads.safetensors"))
+    (tmp_path / "heads.json").write_text(json.dumps({**meta, "draft_size": 100}))
+    with pytest.raises(MtpError, match=r"draft_size is 100, the heads' draft vocabulary holds 6"):
+        load_heads(tmp_path, tiny_backbone)

@@ -118,6 +118,17 @@ def _check_same_backbone(meta_file: Path, recorded: dict, backbone, allow_foreig
     log.warning("%s; loading them anyway (backbone.allow_foreign_heads=true)", what)
 
 
+def check_weights_digest(meta: dict, weights: Path) -> None:
+    """heads.safetensors as training wrote it: the sha256 heads.json records (runs from before it was
+    recorded have none, and are read as they are)."""
+    from mtp_train.artifacts import file_sha256
+
+    want = meta.get("weights_sha256")
+    if want is not None and file_sha256(weights) != want:
+        raise MtpError(f"{weights}: its contents changed after training wrote it (the sha256 recorded in "
+                       "heads.json differs): damaged or edited; train again (force=true) or restore the file")
+
+
 def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple[nn.Module, dict]:
     """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`:
     its shape always; its name and weights fingerprint unless `allow_foreign`
@@ -140,12 +151,16 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
                               f"this backbone ({backbone.name}) has {have}")
     _check_same_backbone(meta_file, bb, backbone, allow_foreign)
+    check_weights_digest(meta, weights)
     state = load_weights(weights)
     cfg = heads_config_from(meta, meta_file)
     if "draft_ids" in state:
         check_draft_ids(state["draft_ids"], backbone.vocab_size, str(weights))
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
     check_state_matches(state, heads.state_dict(), str(weights))
+    if meta.get("draft_size") not in (None, heads.draft_size):
+        raise MtpError(f"{meta_file}: draft_size is {meta['draft_size']!r}, the heads' draft vocabulary holds "
+                       f"{heads.draft_size}; the file was edited or damaged")
     missing, unexpected = heads.load_state_dict(state, strict=False)
     trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
     if unexpected or trainable & set(missing):

@@ -55,6 +55,9 @@ def finished_run(run_dir: Path, finished: str) -> dict | None:
 
     meta = read_json(run_dir / HEADS_META)
     if meta and (meta.get("recipe") or {}).get("finished") == finished and (run_dir / HEADS_FILE).is_file():
+        from mtp_train.heads.persist import check_weights_digest
+
+        check_weights_digest(meta, run_dir / HEADS_FILE)  # a damaged file is not a finished run
         return meta
     return None
 

@@ -104,7 +104,7 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
                elapsed_s: float | None = None, recipe: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
-    from mtp_train.artifacts import check_finite, write_json_atomic
+    from mtp_train.artifacts import check_finite, file_sha256, write_json_atomic
     from mtp_train.heads.persist import heads_state_dict
 
     state = heads_state_dict(heads)
@@ -116,6 +116,8 @@ def save_heads(run_dir: Path, heads, backbone, cfg: Config, metrics: dict, world
     os.replace(tmp, run_dir / HEADS_FILE)
     write_json_atomic(run_dir / HEADS_META, {
         "head_type": cfg.heads.type, "k": cfg.heads.k, "draft_size": heads.draft_size,
+        # loading checks the file against it: damaged or edited heads are refused, never decoded
+        "weights_sha256": file_sha256(run_dir / HEADS_FILE),
         "heads": OmegaConf.to_container(
             OmegaConf.structured(cfg.heads)),
         "backbone": {"name": backbone.name, "hidden_size": backbone.hidden_size,
