@@ -296,6 +296,8 @@ def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path, caps
     capsys.readouterr()
     assert main([str(run), "--format", "medusa", "--out", str(a_file / "sub")]) == 2  # cannot be created
     assert "served.txt is a file, so no directory can be made under it" in capsys.readouterr().err
+    assert main([str(run), "--format", "medusa", "--out", "/proc/mtp-no-such/x"]) == 2
+    assert "cannot create /proc/mtp-no-such" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.parent != mine
                   and p not in (mine, a_file)) == before
@@ -306,3 +308,8 @@ def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path, caps
     with pytest.raises(MtpError, match=r"an earlier export that now also holds my_notes\.txt"):
         export_for_engine(run, "medusa", out)
     assert (out / "my_notes.txt").read_text() == "mine"
+    (out / "my_notes.txt").unlink()
+    (out / "backbone" / "mine.txt").write_text("mine")  # one level down: still not the export's
+    with pytest.raises(MtpError, match=r"an earlier export that now also holds backbone/mine\.txt"):
+        export_for_engine(run, "medusa", out)
+    assert (out / "backbone" / "mine.txt").read_text() == "mine"

@@ -121,12 +121,27 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
         # the fingerprint is always the original weights'; with adapters the target adds them, merged
         "lora_adapter": (backbone.adapter or "trained in this process") if adapted else None,
         "serve": serve_commands(fmt, serve_dir, out.resolve(), heads.k), "backbone_notes": notes,
+        # every file the export wrote: a later export over it refuses to delete anything else
+        "files": sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()),
     }, indent=2) + "\n")
     publish_dir(tmp, out)
     for note in notes:
         log.warning("%s", note)
     log.info("%s heads written to %s; serve them with the backbone at %s", fmt, out, serve_dir)
     return out
+
+
+def _not_written_by_the_export(out: Path) -> list[str]:
+    """Files under an earlier export that it did not write (its SERVING_FILE lists them; exports from
+    before that list are judged by their top level only)."""
+    try:
+        written = json.loads((out / SERVING_FILE).read_text()).get("files")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return []
+    if not isinstance(written, list):
+        return []
+    have = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() or p.is_symlink()}
+    return sorted(have - set(written) - {SERVING_FILE})
 
 
 # everything an export writes (write_for_engine): a directory holding anything else is not only ours
@@ -143,6 +158,10 @@ def check_destination(out: Path, run_dir: Path | None) -> None:
                        "written over a file)")
     if (there := next(p for p in (out, *out.absolute().parents) if p.exists())) != out and not there.is_dir():
         raise MtpError(f"--out {out}: {there} is a file, so no directory can be made under it")
+    try:  # the export is built beside its destination: that directory must exist and take files
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MtpError(f"--out {out}: cannot create {e.filename or out.parent} ({e.strerror})") from None
     if run_dir is not None:
         run, target = Path(run_dir).resolve(), out.resolve()
         if target == run or target in run.parents:
@@ -153,7 +172,8 @@ def check_destination(out: Path, run_dir: Path | None) -> None:
         raise MtpError(f"--out {out}: a directory with files in it that is not an earlier export (no "
                        f"{SERVING_FILE}); an export replaces its directory whole, so it writes only to a "
                        "new or empty directory or over an earlier export")
-    if out.is_dir() and (foreign := sorted(p.name for p in out.iterdir() if p.name not in EXPORT_ITEMS)):
+    if out.is_dir() and (foreign := sorted(p.name for p in out.iterdir() if p.name not in EXPORT_ITEMS)
+                         or _not_written_by_the_export(out)):
         raise MtpError(f"--out {out}: an earlier export that now also holds {', '.join(foreign[:3])}"
                        f"{' ...' if len(foreign) > 3 else ''}, which an export does not write; it would be "
                        "deleted with the old export: move it out first, or name a new directory")
