@@ -98,8 +98,12 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
                         backbone.identity)
     wanted = config_hash(plan)
     if not force and is_up_to_date(out_dir, wanted):
-        log.info("distill: %s is up to date, skipping (force=true regenerates)", out_dir)
-        return read_manifest(out_dir)
+        try:
+            load_prepared(out_dir)  # up to date by its manifest, and its files still read whole
+            log.info("distill: %s is up to date, skipping (force=true regenerates)", out_dir)
+            return read_manifest(out_dir)
+        except DataError as e:
+            log.warning("distill: %s; distilling again", e)
 
     shards_dir = layout_shards_dir(out_dir)
     old_plan = read_json(shards_dir / PLAN)

@@ -12,6 +12,7 @@ import torch
 from data_prep import distill as distill_mod
 from data_prep.build import prepare_dataset
 from mtp_train.config import DataConfig, DistillConfig
+from mtp_train.data.prepared import load_prepared
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
 
@@ -147,6 +148,11 @@ def test_up_to_date_distillation_is_skipped(tmp_path, labelled, tiny_backbone, m
     assert again["config_hash"] == first["config_hash"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["source_hash"] and manifest["backbone"] == "tiny-llama"
+    monkeypatch.undo()
+    (arrow,) = (tmp_path / "out" / "train").glob("*.arrow")  # up to date by its manifest, but damaged
+    arrow.write_bytes(arrow.read_bytes()[:3000])
+    redone = distill_mod.distill(src, tmp_path / "out", tiny_backbone, DCFG, 128)
+    assert redone["splits"] == first["splits"] and len(load_prepared(tmp_path / "out")["train"]) == first["splits"]["train"]
 
 
 def test_long_prompts_are_skipped_and_counted(tmp_path, labelled, tiny_backbone):
