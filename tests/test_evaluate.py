@@ -330,6 +330,10 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
 
     state = load_file(str(other / "heads.safetensors"))
     save_file({n: t + 1e-3 for n, t in state.items()}, str(other / "heads.safetensors"))
+    from mtp_train.artifacts import file_sha256  # other heads, as training would have recorded them
+
+    meta = json.loads((other / "heads.json").read_text())
+    (other / "heads.json").write_text(json.dumps({**meta, "weights_sha256": file_sha256(other / "heads.safetensors")}))
     with pytest.raises(MtpError, match="another heads checkpoint"):
         run_clp(_eval_cfg(root, *clp_args[:-1], f"clp.train_run={other}", f"paths.output_dir={root}/clp",
                           "stage=fit"))

@@ -151,8 +151,8 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
             raise ConfigError(f"{meta_file}: heads were trained for a backbone with {key}={bb.get(key)}, "
                               f"this backbone ({backbone.name}) has {have}")
     _check_same_backbone(meta_file, bb, backbone, allow_foreign)
+    state = load_weights(weights)  # unreadable or non-finite: named as such first
     check_weights_digest(meta, weights)
-    state = load_weights(weights)
     cfg = heads_config_from(meta, meta_file)
     if "draft_ids" in state:
         check_draft_ids(state["draft_ids"], backbone.vocab_size, str(weights))
