@@ -158,9 +158,10 @@ class HiddenCache:
         if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 2:
             raise self._damaged(o, f"offsets must be a 1-D integer array of rows + 1 entries, got "
                                 f"{offsets.dtype} of shape {list(offsets.shape)}")
-        if offsets[0] != 0 or offsets[-1] != n or bool((np.diff(offsets) < 0).any()):
+        decreasing = bool((np.diff(offsets) < 0).any())
+        if offsets[0] != 0 or offsets[-1] != n or decreasing:
             raise self._damaged(o, f"offsets do not cut the shard's {n} tokens into rows (first {int(offsets[0])}, "
-                                f"last {int(offsets[-1])}{', decreasing' if (np.diff(offsets) < 0).any() else ''})")
+                                f"last {int(offsets[-1])}{', decreasing' if decreasing else ''})")
         if stats.shape != (n, 2) or stats.dtype.kind != "f":
             raise self._damaged(sidecar(f, "stats"), f"stats {stats.dtype} of shape {list(stats.shape)}, "
                                 f"expected float ({n}, 2)")
