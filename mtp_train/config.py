@@ -303,9 +303,19 @@ class TrainConfig:
     # (val/sim_tau_t0.7, ...); a metric only, not part of the recipe
     # (over a draft vocabulary, each T other than 1 costs one full LM-head projection per validation row)
     sampled_tau_temperatures: list[float] = field(default_factory=lambda: [1.0])
+    # train to a time budget: minutes of wall time for the fit (steps and validations). The number
+    # of steps is planned from the measured step time and revised as training goes, and
+    # train.lr_schedule runs over the planned steps, so it ends where the budget does; trainer.max_steps
+    # is then a cap and train.min_steps a floor (mtp_train/lit/budget.py). null: trainer.max_steps
+    # steps, or, with budget.deadline, the time left before it minus what follows training
+    time_budget_min: float | None = None
+    min_steps: int = 50
 
     def __post_init__(self) -> None:
         check_choice(self.data_use, DATA_USES, "train.data_use")
+        check(self.time_budget_min is None or (math.isfinite(self.time_budget_min) and self.time_budget_min > 0),
+              "train.time_budget_min", f"must be a number of minutes > 0 or null, got {self.time_budget_min}")
+        check(self.min_steps >= 1, "train.min_steps", f"must be >= 1, got {self.min_steps}")
         check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
         check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
         check(self.batch_size > 0, "train.batch_size", "must be > 0")
@@ -325,6 +335,26 @@ class TrainConfig:
               f"must differ at one decimal place (each names a metric val/sim_tau_t<T>), got {temps}")
 
 
+
+
+@dataclass
+class BudgetConfig:
+    """A wall-clock deadline for a pipeline run stage by stage (make demo sets it): the stages that
+    can be sized size themselves to end by it. Training takes the time left before the deadline
+    minus what the stages after it are predicted to take (`after_train`, from the backbone's decoding
+    speed measured on this machine; mtp_train/pipeline/budget.py) and minus `margin_min`."""
+
+    deadline: float | None = None  # unix time (seconds); null: no deadline
+    after_train: list[str] = field(default_factory=list)  # stages run after training: clp, eval
+    margin_min: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(self.deadline is None or math.isfinite(self.deadline), "budget.deadline",
+              f"must be a unix time in seconds or null, got {self.deadline}")
+        for s in self.after_train:
+            check_choice(s, ("clp", "eval"), "budget.after_train")
+        check(math.isfinite(self.margin_min) and self.margin_min >= 0, "budget.margin_min",
+              f"must be a number of minutes >= 0, got {self.margin_min}")
 
 
 @dataclass
@@ -494,6 +524,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     clp: ClpConfig = field(default_factory=ClpConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     trainer: dict[str, Any] = field(default_factory=dict)  # kwargs of lightning.Trainer
     logger: dict[str, Any] | None = None  # name -> instantiable logger config

@@ -17,7 +17,7 @@ from mtp_train.errors import ConfigError
 READS: dict[str, tuple[str, ...]] = {
     "prep": ("seed", "stage", "force", "backbone", "data", "heads.type", "heads.aux_layers",
              "train.data_use", "train.max_length"),
-    "train": ("seed", "stage", "force", "backbone", "data", "heads", "loss", "train"),  # + eval with train.eval_after
+    "train": ("seed", "stage", "force", "backbone", "data", "heads", "loss", "train", "budget"),  # + eval with train.eval_after
     "clp": ("seed", "stage", "force", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
             "train.max_length", "train.use_cache"),  # calibration decodes eval.max_new_tokens
     "eval": ("seed", "force", "backbone", "data", "eval"),

@@ -316,7 +316,8 @@ def test_loss_schedule_switches_the_loss_part_way(typed_cfg):
 def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(typed_cfg):
     from mtp_train.backbone import load_backbone
     from mtp_train.heads.persist import build_heads
-    from mtp_train.lit.module import MTPHeadsModule, lr_scheduler
+    from mtp_train.lit.module import MTPHeadsModule
+    from mtp_train.lit.schedule import lr_scheduler
 
     cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "train.weight_decay=0.5")
     backbone = load_backbone(cfg.backbone)

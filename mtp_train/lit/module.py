@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from mtp_train.config import LoraConfig, LossConfig, TrainConfig
 from mtp_train.depth_targets import depth_targets
 from mtp_train.errors import MtpError
+from mtp_train.lit.schedule import lr_scheduler
 from mtp_train.losses import (
     LossOutput,
     acceptance,
@@ -77,6 +77,7 @@ class MTPHeadsModule(L.LightningModule):
         self._val_ranks, self._val_dense = [], None
         self.max_rank = RankStats.rank_cap(self.k)
         self.rank_stats: RankStats | None = None
+        self.lr_shape = None  # the schedule's length, set by configure_optimizers
 
     def on_fit_start(self) -> None:
         """Put the frozen backbone next to the heads, in their dtype when the strategy made them half
@@ -205,9 +206,16 @@ class MTPHeadsModule(L.LightningModule):
 
     def loss_name(self) -> str:
         """The loss in force now (`loss.schedule` may switch it part-way through training)."""
-        trainer = self._trainer
-        max_steps = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
+        max_steps = self.total_steps()
         return self.loss_cfg.name_at(self.global_step, max_steps) if max_steps else self.loss_cfg.name
+
+    def total_steps(self) -> int:
+        """The length of training the schedules run over: the planned steps under a time budget,
+        else trainer.max_steps (0 when neither is known)."""
+        if getattr(self, "lr_shape", None) is not None:
+            return self.lr_shape.total
+        trainer = self._trainer
+        return trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
 
     def heads_zero(self) -> torch.Tensor:
         return sum(p.sum() * 0.0 for p in self.parameters())
@@ -328,23 +336,9 @@ class MTPHeadsModule(L.LightningModule):
             opt = torch.optim.AdamW(groups, lr=self.train_cfg.lr)
         total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0
                     else self.trainer.estimated_stepping_batches)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": lr_scheduler(opt, self.train_cfg, total),
-                                                   "interval": "step"}}
-
-
-def lr_scheduler(opt, cfg: TrainConfig, total: int):
-    """train.lr_schedule over `total` optimizer steps, after train.warmup_steps of linear warm-up."""
-    from transformers import get_constant_schedule_with_warmup, get_wsd_schedule
-
-    warm = min(cfg.warmup_steps, total)
-    if cfg.lr_schedule == "constant":
-        return get_constant_schedule_with_warmup(opt, num_warmup_steps=warm)
-    if cfg.lr_schedule == "wsd":
-        decay = max(1, min(total - warm, round(cfg.decay_fraction * total)))
-        return get_wsd_schedule(opt, num_warmup_steps=warm, num_decay_steps=decay, num_training_steps=total,
-                                min_lr_ratio=cfg.min_lr_ratio)
-    return get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=warm, num_training_steps=total,
-                                                       min_lr_rate=cfg.min_lr_ratio)
+        sched = lr_scheduler(opt, self.train_cfg, total)
+        self.lr_shape = sched.lr_lambdas[0]  # a time budget revises its length (mtp_train/lit/budget.py)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def _offloads_optimizer(strategy) -> bool:

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # train.* keys that change neither the heads nor their checkpoints: outside the recipe hash
 METRIC_ONLY = ("num_workers", "use_cache", "eval_after", "sampled_tau_temperatures")
+# how long training runs: like trainer.max_steps, part of `finished`, not of the recipe
+LENGTH_ONLY = ("time_budget_min", "min_steps")
 
 
 def recipe_keys(cfg: Config) -> tuple[str, str]:
@@ -31,12 +33,13 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
     hashes), row length, heads, loss, optimiser and seed; a run directory whose checkpoints were made
     for another recipe starts over. `finished` adds the run's length and precision: heads written
     under the same `finished` hash are up to date and the run is skipped (force=true trains again).
-    Changing only trainer.max_steps keeps the recipe, so a longer run resumes from last.ckpt."""
+    Changing only trainer.max_steps (or the time budget) keeps the recipe, so a longer run resumes
+    from last.ckpt."""
     from mtp_train.artifacts import config_hash, read_manifest
     from mtp_train.backbone import backbone_identity
 
     structured = lambda x: OmegaConf.to_container(OmegaConf.structured(x))  # noqa: E731
-    train = {k: v for k, v in structured(cfg.train).items() if k not in METRIC_ONLY}
+    train = {k: v for k, v in structured(cfg.train).items() if k not in METRIC_ONLY + LENGTH_ONLY}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
     lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
     recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
@@ -44,8 +47,11 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
                           "heads": structured(cfg.heads), "loss": structured(cfg.loss), "train": train,
                           "seed": cfg.seed})
     t = cfg.trainer
+    # a run to a deadline is finished whatever the deadline's time (make demo run again skips it)
+    budget = {k: getattr(cfg.train, k) for k in LENGTH_ONLY} | {"deadline": cfg.budget.deadline is not None}
     finished = config_hash({"recipe": recipe, "max_steps": t.get("max_steps"),
-                            "max_epochs": t.get("max_epochs"), "precision": str(t.get("precision"))})
+                            "max_epochs": t.get("max_epochs"), "precision": str(t.get("precision")),
+                            **({"budget": budget} if budget["time_budget_min"] or budget["deadline"] else {})})
     return recipe, finished
 
 

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from mtp_train import layout
 from mtp_train.config import Config
 from mtp_train.data.prepared import open_cache
+from mtp_train.errors import ConfigError
 from mtp_train.instantiate import instantiate
 from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
 from mtp_train.pipeline.rundir import check_resume, open_run_dir, resume_loads_weights_only
@@ -194,6 +195,49 @@ def run_train(cfg: Config) -> dict:
         return _run_train(cfg)
 
 
+def time_budget(cfg: Config, backbone, dm, resuming: bool):
+    """(the TimeBudget callback, what heads.json records of how its seconds were found), or
+    (None, {}) when training runs trainer.max_steps steps: train.time_budget_min, else the time
+    budget.deadline leaves after the stages that follow training (mtp_train/pipeline/budget.py)."""
+    from mtp_train.lit.budget import TimeBudget
+
+    t, record = cfg.train, {}
+    if t.time_budget_min is not None:
+        seconds, relative = 60.0 * t.time_budget_min, False
+    elif cfg.budget.deadline is not None:
+        from mtp_train.pipeline.budget import deadline_training_seconds
+
+        dm.setup()
+        prompt = [int(x) for x in dm.splits["validation" if len(dm.splits["validation"]) else "train"][0]["input_ids"][:64]]
+        seconds, record = deadline_training_seconds(cfg, backbone, prompt)
+        relative = True
+    else:
+        return None, {}
+    cap = cfg.trainer.get("max_steps") or -1
+    if cap is None or cap < 1:
+        raise ConfigError(f"trainer.max_steps: {cap}; with a time budget it is the cap on the planned steps "
+                          "and must be a number of steps >= 1")
+    if cap < t.min_steps:
+        raise ConfigError(f"train.min_steps: {t.min_steps} is above trainer.max_steps={cap}, the cap on a "
+                          "time budget's steps")
+    record = {**record, "resumed": resuming}
+    return TimeBudget(seconds, t.min_steps, cap, cfg.trainer.get("val_check_interval"), relative=relative), record
+
+
+def budget_trainer_kwargs(cfg: Config, budget, resuming: bool) -> dict:
+    """Lightning's own guards around a time budget: min_steps keeps the floor, max_time stops a
+    plan that went wrong at a quarter over the budget (not set for a resumed deadline run, whose
+    budget counts from its first start)."""
+    if budget is None:
+        return {}
+    out = {} if cfg.trainer.get("min_steps") is not None else {"min_steps": budget.min_steps}
+    if cfg.trainer.get("max_time") is None and not (budget.relative and resuming):
+        import datetime
+
+        out["max_time"] = datetime.timedelta(seconds=1.25 * budget.seconds + 60)
+    return out
+
+
 def _run_train(cfg: Config) -> dict:
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -250,10 +294,12 @@ def _run_train(cfg: Config) -> dict:
     ckpt_dir = run_dir / layout.CHECKPOINTS
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
+    budget, budget_record = time_budget(cfg, backbone, dm, resuming=layout.last_checkpoint(run_dir).exists())
     loggers = make_loggers(cfg)
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt], **trainer_plugins(cfg.trainer))
+    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt] + ([budget] if budget else []),
+                          **trainer_plugins(cfg.trainer), **budget_trainer_kwargs(cfg, budget, budget_record.get("resumed", False)))
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
@@ -272,7 +318,9 @@ def _run_train(cfg: Config) -> dict:
                               recipe={"recipe": recipe, "finished": finished,
                                       "train_rows": len(dm.splits["train"]), "train_tokens": dm.train_tokens,
                                       "cache": str(cache.path) if cache is not None else None,
-                                      "steps": trainer.global_step})
+                                      "steps": trainer.global_step,
+                                      "budget": ({**budget.summary(trainer.global_step), **budget_record}
+                                                 if budget else None)})
             module.rank_stats.save(run_dir / TREE_STATS)
     close_loggers(loggers)
     if trainer.is_global_zero:

@@ -1,0 +1,87 @@
+"""A pipeline's deadline (budget.deadline, set by `make demo`) turned into minutes of training.
+
+The stages before training (preparation, distillation, the cache) have run when mtp-train starts;
+the ones after it (budget.after_train: mtp-clp's calibration decodes, mtp-eval's decodes) have not.
+Their cost is predicted from the one rate that dominates them, measured here on this machine: HF
+generate's seconds per new token for the backbone in the dtype evaluation decodes in. Training
+gets what is left: deadline - now - predicted(after) - budget.margin_min.
+
+The prediction counts decodes of eval.max_new_tokens tokens (HF generate and every mode, greedy and
+under each sampling temperature, per prompt and round; calibration's decodes per threshold) and
+prices each new token at HF generate's rate times DECODE_OVERHEAD (drafting, verifying several
+positions at once, the cost-curve and dtype probes), plus STAGE_FIXED_S per stage (start-up,
+loading the backbone) scaled by how slow this machine is against the one it was fitted on.
+docs/training.md ("A demo sized by its deadline") has the prediction against what the stages took.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+from mtp_train.config import Config
+
+log = logging.getLogger(__name__)
+
+DECODE_OVERHEAD = 1.3  # seconds of a mode's token over HF generate's, the probes and curves included
+STAGE_FIXED_S = 25.0  # start-up and loading per stage at REFERENCE_TOKEN_S
+REFERENCE_TOKEN_S = 0.05  # HF generate's seconds per token (SmolLM2-135M, bf16, AMX Xeon)
+
+
+def decodes_after_train(cfg: Config) -> dict[str, int]:
+    """How many decodes of eval.max_new_tokens each later stage runs."""
+    out = {}
+    e = cfg.eval
+    if "clp" in cfg.budget.after_train:
+        out["clp"] = cfg.clp.calib_prompts * (len(cfg.clp.thresholds) + 1)  # + the greedy reference
+    if "eval" in cfg.budget.after_train:
+        modes = 1 + len(e.modes)  # HF generate + each mode
+        sampled = (1 + len(e.sampled_modes())) * len(e.sampling.temperatures_sampled) * e.sampling.samples
+        out["eval"] = e.n_prompts * (modes + sampled) * e.rounds + 4  # + HF in the other dtype (3 x 32 tokens, twice)
+    return out
+
+
+def token_seconds(backbone, prompt: list[int], dtype, n_tokens: int = 24) -> float:
+    """HF generate's seconds per new token for this backbone in `dtype` on this machine (a copy
+    in that dtype when it differs; greedy, no end of sequence, best of two after a warm-up)."""
+    import torch
+
+    from mtp_train.evaluation.runner import hf_generate
+
+    b = backbone
+    if backbone.model.dtype != dtype:
+        b = copy.copy(backbone)
+        b.model = copy.deepcopy(backbone.model).to(dtype)
+    with torch.no_grad():
+        hf_generate(b, prompt, 4, [])
+        best = min(hf_generate(b, prompt, n_tokens, [])[1] for _ in range(2))
+    return best / n_tokens
+
+
+def predict_after_train(cfg: Config, token_s: float) -> dict:
+    decodes = decodes_after_train(cfg)
+    tokens = {s: n * cfg.eval.max_new_tokens for s, n in decodes.items()}
+    slow = max(1.0, token_s / REFERENCE_TOKEN_S)
+    seconds = {s: t * token_s * DECODE_OVERHEAD + STAGE_FIXED_S * slow for s, t in tokens.items()}
+    return {"token_s": round(token_s, 5), "decodes": decodes, "seconds": {s: round(v, 1) for s, v in seconds.items()},
+            "total_s": round(sum(seconds.values()), 1)}
+
+
+def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: float | None = None) -> tuple[float, dict]:
+    """(seconds training may take, the record of how they were found) under budget.deadline."""
+    from mtp_train.evaluation.machine import cpu_model, resolve_dtype
+
+    t0 = time.time()
+    dtype = resolve_dtype(cfg.eval.dtype)
+    after = predict_after_train(cfg, token_seconds(backbone, prompt, dtype))
+    now = time.time() if now is None else now
+    left = cfg.budget.deadline - now
+    seconds = left - after["total_s"] - 60 * cfg.budget.margin_min
+    record = {"deadline": cfg.budget.deadline, "left_s": round(left, 1), "after_train": after,
+              "margin_s": 60 * cfg.budget.margin_min, "training_s": round(max(0.0, seconds), 1),
+              "cpu": cpu_model(), "probe_s": round(now - t0, 1), "dtype": str(dtype).replace("torch.", "")}
+    log.info("deadline in %.1f min; after training %s predicted to take %.1f min (HF generate %.1f tok/s in %s "
+             "on %s): %.1f min for training", left / 60, "+".join(after["decodes"]) or "nothing",
+             after["total_s"] / 60, 1 / after["token_s"], record["dtype"], record["cpu"], max(0.0, seconds) / 60)
+    return max(0.0, seconds), record

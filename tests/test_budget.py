@@ -1,0 +1,253 @@
+"""Training to a time budget: the learning-rate schedule whose length a plan revises (held to
+transformers' own schedules), the plan made from measured step times (a fake clock), its state
+through a checkpoint, and mtp-train under train.time_budget_min and under a pipeline deadline."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mtp_train.errors import ConfigError
+from tests.helpers import run_train
+
+FAST = ["debug=smoke"]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "constant", "wsd"])
+@pytest.mark.parametrize("total,warm", [(100, 10), (7, 3), (5, 20), (1, 0)])
+def test_lr_shape_equals_transformers_schedules_at_a_fixed_length(typed_cfg, kind, total, warm):
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_wsd_schedule,
+    )
+
+    from mtp_train.lit.schedule import lr_scheduler
+
+    tc = typed_cfg(*FAST, f"train.lr_schedule={kind}", f"train.warmup_steps={warm}", "train.lr=1.0",
+                   "train.min_lr_ratio=0.1", "train.decay_fraction=0.2").train
+
+    def run(make):
+        o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched, out = make(o), []
+        for _ in range(total + 3):  # past the end too
+            out.append(o.param_groups[0]["lr"])
+            o.step()
+            sched.step()
+        return out
+
+    w = min(warm, total)
+    reference = {
+        "cosine": lambda o: get_cosine_with_min_lr_schedule_with_warmup(o, num_warmup_steps=w, num_training_steps=total,
+                                                                        min_lr_rate=0.1),
+        "constant": lambda o: get_constant_schedule_with_warmup(o, num_warmup_steps=w),
+        "wsd": lambda o: get_wsd_schedule(o, num_warmup_steps=w, num_training_steps=total, min_lr_ratio=0.1,
+                                          num_decay_steps=max(1, min(total - w, round(0.2 * total)))),
+    }[kind]
+    assert run(lambda o: lr_scheduler(o, tc, total)) == pytest.approx(run(reference), abs=1e-12)
+
+
+def test_lr_shape_follows_a_revised_length_and_survives_the_scheduler_state(typed_cfg):
+    from mtp_train.lit.schedule import lr_scheduler
+
+    tc = typed_cfg(*FAST, "train.warmup_steps=2", "train.lr=1.0", "train.min_lr_ratio=0.1").train
+    o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = lr_scheduler(o, tc, 1000)
+    for _ in range(10):
+        o.step()
+        sched.step()
+    sched.lr_lambdas[0].total = 20  # the plan shrank: step 10 of 20 is half-way down the cosine
+    sched.step()
+    assert o.param_groups[0]["lr"] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 9 / 18)))
+    state = sched.state_dict()
+    o2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    again = lr_scheduler(o2, tc, 1000)
+    again.load_state_dict(state)
+    assert again.lr_lambdas[0].total == 20
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def fake_trainer(step=0):
+    return SimpleNamespace(global_step=step, should_stop=False, sanity_checking=False, datamodule=None,
+                           state=SimpleNamespace(fn="fit"))
+
+
+def drive(budget, clock, trainer, module, step_s, steps, val_every=None, val_s=0.0):
+    """Run `steps` optimizer steps of `step_s` seconds through the callback's hooks, with a
+    validation of `val_s` seconds every `val_every` steps, until it asks to stop."""
+    for _ in range(steps):
+        clock.t += step_s
+        trainer.global_step += 1
+        budget.on_train_batch_end(trainer, module, None, None, 0)
+        if trainer.should_stop:
+            break
+        if val_every and trainer.global_step % val_every == 0:
+            budget.on_validation_start(trainer, module)
+            clock.t += val_s
+            budget.on_validation_end(trainer, module)
+    return trainer.global_step
+
+
+def test_the_plan_fills_the_budget_with_steps_and_validations():
+    from mtp_train.lit.budget import TimeBudget
+
+    clock, trainer = Clock(), fake_trainer()
+    module = SimpleNamespace(lr_shape=SimpleNamespace(total=10_000))
+    budget = TimeBudget(600, min_steps=10, max_steps=10_000, val_interval=50, clock=clock)
+    budget.on_train_start(trainer, module)
+    # the first two steps are slow (allocation) and not timed; then 2 s a step, 20 s a validation
+    clock.t += 10
+    trainer.global_step = 1
+    budget.on_train_batch_end(trainer, module, None, None, 0)
+    steps = drive(budget, clock, trainer, module, 2.0, 10_000, val_every=50, val_s=20.0)
+    # 600 s >= 10 + 2 s x n + 20 s x (n // 50) + the final validation's 20 s: n = 245 at most
+    best = max(n for n in range(1000) if 10 + 2 * n + 20 * (n // 50) + 20 <= 600)
+    assert 0.97 * best <= steps <= best and trainer.should_stop
+    assert module.lr_shape.total == budget.planned == steps
+    assert budget.spent + 20 <= 600 + 2.0
+    assert budget.revisions[0][0] == 10  # the first plan after 8 timed steps
+    # a validation after the last step does not move the plan past the steps run
+    budget.on_validation_start(trainer, module)
+    clock.t += 1.0
+    budget.on_validation_end(trainer, module)
+    assert budget.planned == steps
+
+
+def test_a_slow_machine_keeps_the_floor_and_the_cap_holds_on_a_fast_one():
+    from mtp_train.lit.budget import TimeBudget
+
+    for step_s, floor, cap, expected in ((30.0, 40, 1000, 40), (0.01, 5, 100, 100)):
+        clock, trainer = Clock(), fake_trainer()
+        module = SimpleNamespace(lr_shape=SimpleNamespace(total=cap))
+        budget = TimeBudget(60, min_steps=floor, max_steps=cap, clock=clock)
+        budget.on_train_start(trainer, module)
+        assert drive(budget, clock, trainer, module, step_s, 10_000) == expected
+        assert module.lr_shape.total == expected
+
+
+def test_the_plan_follows_a_machine_that_slows_down():
+    from mtp_train.lit.budget import TimeBudget
+
+    clock, trainer = Clock(), fake_trainer()
+    module = SimpleNamespace(lr_shape=SimpleNamespace(total=10_000))
+    budget = TimeBudget(300, min_steps=1, max_steps=10_000, revise=10, clock=clock)
+    budget.on_train_start(trainer, module)
+    drive(budget, clock, trainer, module, 1.0, 50)  # 1 s a step: ~300 planned
+    first = budget.planned
+    drive(budget, clock, trainer, module, 3.0, 10_000)  # then 3 s a step
+    assert first >= 280 and trainer.global_step < 0.6 * first
+    assert budget.spent <= 300 + 3.0 * 10  # over by at most one revision interval's steps
+
+
+def test_the_budget_state_survives_a_checkpoint_and_a_deadline_adds_the_time_left_now():
+    from mtp_train.lit.budget import TimeBudget
+
+    clock, trainer = Clock(), fake_trainer()
+    module = SimpleNamespace(lr_shape=SimpleNamespace(total=500))
+    a = TimeBudget(100, min_steps=1, max_steps=500, clock=clock)
+    a.on_train_start(trainer, module)
+    drive(a, clock, trainer, module, 1.0, 30)
+    state = a.state_dict()
+    assert torch.load  # the state is plain numbers: it loads with weights_only
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    restored = torch.load(buf, weights_only=True)
+    b = TimeBudget(100, min_steps=1, max_steps=500, clock=clock)
+    b.load_state_dict(restored)
+    assert (b.spent, b.planned, b.step_seconds()) == (a.spent, a.planned, a.step_seconds())
+    module2 = SimpleNamespace(lr_shape=SimpleNamespace(total=500))
+    b.on_train_start(trainer, module2)
+    assert module2.lr_shape.total == a.planned
+    c = TimeBudget(50, min_steps=1, max_steps=500, relative=True, clock=clock)
+    c.load_state_dict(restored)
+    assert c.seconds == pytest.approx(50 + a.spent)
+
+
+@pytest.mark.integration
+def test_mtp_train_to_a_time_budget_ends_its_schedule_where_training_ends(typed_cfg, tmp_path):
+    cfg = typed_cfg(*FAST, "heads.k=2", "train.time_budget_min=0.1", "train.min_steps=12", "trainer.max_steps=400",
+                    "trainer.val_check_interval=20", "train.warmup_steps=2", "train.min_lr_ratio=0.1",
+                    f"paths.output_dir={tmp_path}/run")
+    t0 = time.time()
+    run_train(cfg)
+    meta = json.loads((tmp_path / "run" / "heads.json").read_text())
+    b = meta["recipe"]["budget"]
+    assert 12 <= b["steps"] <= 400 and b["steps"] == meta["recipe"]["steps"], b
+    assert b["planned"] in (b["steps"], 12, 400) and b["budget_s"] == pytest.approx(6.0), b
+    assert b["spent_s"] <= 6.0 + 30, b  # timing here is loose (a loaded machine); the fake-clock tests hold the plan
+    assert time.time() - t0 < 120
+    # the CSV-free check of the schedule: the last step ran at the schedule's end (min_lr_ratio x lr)
+    from mtp_train.lit.schedule import LrShape
+
+    shape = LrShape(cfg.train, b["planned"])
+    assert shape(b["steps"]) == pytest.approx(0.1, abs=0.02) or b["steps"] == 400, b
+
+
+@pytest.mark.integration
+def test_a_passed_deadline_trains_the_floor_of_steps_and_records_the_prediction(typed_cfg, tmp_path):
+    cfg = typed_cfg(*FAST, "heads.k=2", f"budget.deadline={time.time() - 60}", "budget.after_train=[clp,eval]",
+                    "train.min_steps=6", "trainer.max_steps=400", f"paths.output_dir={tmp_path}/run")
+    run_train(cfg)
+    meta = json.loads((tmp_path / "run" / "heads.json").read_text())
+    b = meta["recipe"]["budget"]
+    assert meta["recipe"]["steps"] == 6 and b["training_s"] == 0.0 and b["left_s"] < -59
+    after = b["after_train"]
+    assert set(after["decodes"]) == {"clp", "eval"} and after["token_s"] > 0 and after["total_s"] > 0
+    # run again with another deadline: the same finished run, skipped
+    again = typed_cfg(*FAST, "heads.k=2", f"budget.deadline={time.time() + 3600}", "budget.after_train=[clp,eval]",
+                      "train.min_steps=6", "trainer.max_steps=400", f"paths.output_dir={tmp_path}/run")
+    mtime = (tmp_path / "run" / "heads.safetensors").stat().st_mtime_ns
+    run_train(again)
+    assert (tmp_path / "run" / "heads.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(typed_cfg):
+    from mtp_train.pipeline.budget import decodes_after_train, predict_after_train
+
+    cfg = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "eval.n_prompts=20", "eval.rounds=2",
+                    "eval.modes=[verify,tree,clp]", "eval.sampling.temperatures=[1.0]", "clp.calib_prompts=3",
+                    "clp.thresholds=[0.9,0.8]")
+    # eval: 20 prompts x 2 rounds x (HF + 3 modes + HF sampled + verify and tree sampled) + the dtype probe
+    assert decodes_after_train(cfg) == {"clp": 3 * 3, "eval": 20 * 2 * (4 + 3) + 4}
+    p = predict_after_train(cfg, 0.1)
+    tokens = cfg.eval.max_new_tokens * (9 + 284)
+    assert p["total_s"] == pytest.approx(tokens * 0.1 * 1.3 + 2 * 25 * 2, abs=0.2)
+    assert decodes_after_train(typed_cfg(*FAST)) == {}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("overrides,key", [
+    (["train.time_budget_min=-1"], "train.time_budget_min"),
+    (["train.time_budget_min=inf"], "train.time_budget_min"),
+    (["train.min_steps=0"], "train.min_steps"),
+    (["budget.after_train=[train]"], "budget.after_train"),
+    (["budget.deadline=nan"], "budget.deadline"),
+])
+def test_bad_budget_settings_name_their_key(typed_cfg, overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        typed_cfg(*FAST, *overrides)
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_a_floor_above_the_cap_is_refused_before_training(typed_cfg, tmp_path):
+    cfg = typed_cfg(*FAST, "train.time_budget_min=1", "train.min_steps=50", "trainer.max_steps=10",
+                    f"paths.output_dir={tmp_path}/run")
+    with pytest.raises(ConfigError, match=r"train\.min_steps: 50 is above trainer\.max_steps=10"):
+        run_train(cfg)
+    assert not (tmp_path / "run" / "heads.safetensors").exists()
