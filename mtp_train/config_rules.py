@@ -20,7 +20,7 @@ READS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "stage", "force", "backbone", "data", "heads", "loss", "train", "budget"),  # + eval with train.eval_after
     "clp": ("seed", "stage", "force", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
             "train.max_length", "train.use_cache"),  # calibration decodes eval.max_new_tokens
-    "eval": ("seed", "force", "backbone", "data", "eval"),
+    "eval": ("seed", "force", "backbone", "data", "eval", "budget"),
 }
 _JUDGED: ContextVar[tuple[str, ...] | None] = ContextVar("judged_keys", default=None)
 

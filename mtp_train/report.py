@@ -312,6 +312,7 @@ def _write_report(root: Path) -> Path:
     md += [f"| {k} | {_minutes(v)} |" for k, v in times.items()]
     total = sum(v for v in times.values() if v)
     md += [f"| total | {_minutes(total)} |", ""]
+    md += _budget_section(heads, report, times)
     bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
     if rows := target_rows(report, total, bounds, _predictor_metas(clp)):
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
@@ -386,6 +387,33 @@ def _write_report(root: Path) -> Path:
     path = root / layout.REPORT
     write_text_atomic(path, "\n".join(md) + "\n")
     return path
+
+
+def _budget_section(heads: dict | None, report: dict | None, times: dict) -> list[str]:
+    """Where a deadline's minutes went: the machine, the time training was given and how many
+    steps it reached, the later stages' predicted time against what they took, what mtp-eval cut."""
+    b = ((heads or {}).get("recipe") or {}).get("budget")
+    sized = (report or {}).get("sized_to_deadline")
+    if not b and not sized:
+        return []
+    md = ["## Time budget", ""]
+    if b:
+        if b.get("cpu"):
+            md.append(f"- machine: {b['cpu']}; HF generate {1 / b['after_train']['token_s']:.1f} tokens/s in "
+                      f"{b.get('dtype')} (the probe that prices the later stages)")
+        if b.get("deadline") is not None:
+            after = b["after_train"]
+            took = sum(times.get(s) or 0 for s in after["decodes"])
+            md.append(f"- deadline: {_minutes(b['left_s'])} left when training started; the later stages "
+                      f"({', '.join(after['decodes']) or 'none'}) predicted {_minutes(after['total_s'])}, took "
+                      f"{_minutes(took) if took else 'n/a'}; margin {_minutes(b['margin_s'])}")
+        md.append(f"- training: budget {_minutes(b['budget_s'])}, spent {_minutes(b['spent_s'])}; {b['steps']} steps "
+                  f"(floor {b['min_steps']}, cap {b['max_steps']}) at {_fmt(b.get('step_s'), 2)} s a step, "
+                  f"validation {_fmt(b.get('validation_s'), 1)} s")
+    if sized:
+        md.append(f"- evaluation: {_minutes(sized['left_s'])} left, predicted {_minutes(sized['predicted_full_s'])} "
+                  f"as asked; " + ("cut: " + "; ".join(sized["cut"]) if sized["cut"] else "nothing cut"))
+    return [*md, ""]
 
 
 def _serving_section(train_dir: Path) -> list[str]:

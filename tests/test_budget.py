@@ -201,19 +201,24 @@ def test_mtp_train_to_a_time_budget_ends_its_schedule_where_training_ends(typed_
 @pytest.mark.integration
 def test_a_passed_deadline_trains_the_floor_of_steps_and_records_the_prediction(typed_cfg, tmp_path):
     cfg = typed_cfg(*FAST, "heads.k=2", f"budget.deadline={time.time() - 60}", "budget.after_train=[clp,eval]",
-                    "train.min_steps=6", "trainer.max_steps=400", f"paths.output_dir={tmp_path}/run")
+                    "train.min_steps=6", "trainer.max_steps=400", f"paths.output_dir={tmp_path}/run/train")
     run_train(cfg)
-    meta = json.loads((tmp_path / "run" / "heads.json").read_text())
+    meta = json.loads((tmp_path / "run" / "train" / "heads.json").read_text())
     b = meta["recipe"]["budget"]
     assert meta["recipe"]["steps"] == 6 and b["training_s"] == 0.0 and b["left_s"] < -59
     after = b["after_train"]
     assert set(after["decodes"]) == {"clp", "eval"} and after["token_s"] > 0 and after["total_s"] > 0
     # run again with another deadline: the same finished run, skipped
     again = typed_cfg(*FAST, "heads.k=2", f"budget.deadline={time.time() + 3600}", "budget.after_train=[clp,eval]",
-                      "train.min_steps=6", "trainer.max_steps=400", f"paths.output_dir={tmp_path}/run")
-    mtime = (tmp_path / "run" / "heads.safetensors").stat().st_mtime_ns
+                      "train.min_steps=6", "trainer.max_steps=400", f"paths.output_dir={tmp_path}/run/train")
+    mtime = (tmp_path / "run" / "train" / "heads.safetensors").stat().st_mtime_ns
     run_train(again)
-    assert (tmp_path / "run" / "heads.safetensors").stat().st_mtime_ns == mtime
+    assert (tmp_path / "run" / "train" / "heads.safetensors").stat().st_mtime_ns == mtime
+    # the report says where the minutes went
+    from mtp_train.report import write_report
+
+    md = write_report(tmp_path / "run").read_text()
+    assert "## Time budget" in md and "6 steps (floor 6, cap 400)" in md and "predicted" in md
 
 
 def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(typed_cfg):
@@ -251,3 +256,27 @@ def test_a_floor_above_the_cap_is_refused_before_training(typed_cfg, tmp_path):
     with pytest.raises(ConfigError, match=r"train\.min_steps: 50 is above trainer\.max_steps=10"):
         run_train(cfg)
     assert not (tmp_path / "run" / "heads.safetensors").exists()
+
+
+def test_an_evaluation_is_cut_to_its_deadline_sampling_first_then_modes_then_tokens(typed_cfg):
+    from mtp_train.pipeline.budget import MIN_EVAL_TOKENS, eval_seconds, size_eval
+
+    cfg = typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
+                    "eval.sampling.temperatures=[0,1.0]")
+    tok = 0.1
+    full = eval_seconds(cfg, tok)
+    same, cuts = size_eval(cfg, tok, full + 1)
+    assert same == cfg and cuts == []
+    no_sampling = eval_seconds(typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48",
+                                         "eval.modes=[verify,tree,clp]"), tok)
+    c1, cuts = size_eval(cfg, tok, no_sampling + 1)
+    assert c1.eval.sampling.temperatures == [0] and c1.eval.modes == ["verify", "tree", "clp"]
+    assert len(cuts) == 1 and "T=[1.0]" in cuts[0]
+    core = eval_seconds(typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree]"), tok)
+    c2, cuts = size_eval(cfg, tok, core + 1)
+    assert c2.eval.modes == ["verify", "tree"] and c2.eval.max_new_tokens == 48 and len(cuts) == 2
+    c3, cuts = size_eval(cfg, tok, core / 2)
+    assert c3.eval.n_prompts == 20 and MIN_EVAL_TOKENS <= c3.eval.max_new_tokens < 48
+    assert eval_seconds(c3, tok) <= core / 2 and "max_new_tokens 48 ->" in cuts[-1]
+    c4, cuts = size_eval(cfg, tok, 1.0)  # nothing fits: the floor, and by how much it overruns
+    assert c4.eval.max_new_tokens == MIN_EVAL_TOKENS and "over the deadline" in cuts[-1]

@@ -923,3 +923,21 @@ def test_sampled_modes_report_their_warpers_repeat_with_their_seed_and_leave_gre
     again = run_eval(_eval_cfg(root, *sampled, "force=true"))  # the same seeds: the same samples
     assert again["sampled"]["t0.7"]["modes"]["tree"]["tau"] == run["modes"]["tree"]["tau"]
     assert again["sampled"]["t0.7"]["modes"]["tree"]["new_tokens"] == run["modes"]["tree"]["new_tokens"]
+
+
+@pytest.mark.integration
+def test_an_evaluation_past_its_deadline_is_cut_and_says_so(trained_heads):
+    import time
+
+    root = trained_heads
+    cfg = _eval_cfg(root, "eval.modes=[verify,tree,relaxed]", "eval.sampling.temperatures=[1.0]", "eval.rounds=1",
+                    "eval.max_new_tokens=40", f"budget.deadline={time.time() - 60}", f"paths.output_dir={root}/eval-dl")
+    report = run_eval(cfg)
+    sized = report["sized_to_deadline"]
+    assert sized["left_s"] < -59 and sized["predicted_s"] < sized["predicted_full_s"]
+    assert set(report["modes"]) == {"hf_generate", "verify", "tree"} and report["max_new_tokens"] == 16
+    assert "T=[1.0]" in sized["cut"][0] and "relaxed" in sized["cut"][1] and "sampled" not in report
+    # the same evaluation without a deadline is another evaluation, not this cut one
+    again = run_eval(_eval_cfg(root, "eval.modes=[verify]", "eval.rounds=1", "eval.max_new_tokens=40",
+                               f"paths.output_dir={root}/eval-dl"))
+    assert "sized_to_deadline" not in again and again["max_new_tokens"] == 40

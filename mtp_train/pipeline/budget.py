@@ -85,3 +85,50 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
              "on %s): %.1f min for training", left / 60, "+".join(after["decodes"]) or "nothing",
              after["total_s"] / 60, 1 / after["token_s"], record["dtype"], record["cpu"], max(0.0, seconds) / 60)
     return max(0.0, seconds), record
+
+
+MIN_EVAL_TOKENS = 16  # sizing never shortens the decodes below this many new tokens
+LOSSLESS_CORE = ("verify", "tree")  # the modes sizing keeps to the last
+
+
+def eval_seconds(cfg: Config, token_s: float) -> float:
+    """mtp-eval's predicted seconds under cfg.eval (the same pricing as the training reserve)."""
+    import dataclasses
+
+    only = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, after_train=["eval"]))
+    return predict_after_train(only, token_s)["total_s"]
+
+
+def size_eval(cfg: Config, token_s: float, left_s: float) -> tuple[Config, list[str]]:
+    """cfg with eval.* cut until mtp-eval's predicted time fits `left_s`, and what was cut, in this
+    order: the sampled runs (eval.sampling.temperatures), the modes other than verify and tree, then
+    eval.max_new_tokens down to MIN_EVAL_TOKENS. The prompts are never cut (20 is what makes its
+    figures stable). If even that does not fit, it runs so and says by how much it will overrun."""
+    import dataclasses
+
+    e, cuts = cfg.eval, []
+
+    def fits(c: Config) -> bool:
+        return eval_seconds(c, token_s) <= left_s
+
+    def with_eval(**kw) -> Config:
+        return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **kw))
+
+    if not fits(cfg) and e.sampling.temperatures_sampled:
+        cfg = with_eval(sampling=dataclasses.replace(e.sampling, temperatures=[t for t in e.sampling.temperatures
+                                                                               if t == 0], modes=None))
+        cuts.append(f"sampled runs at T={e.sampling.temperatures_sampled}")
+    core = [m for m in cfg.eval.modes if m in LOSSLESS_CORE]
+    if not fits(cfg) and core and core != list(cfg.eval.modes):
+        cuts.append(f"modes {[m for m in cfg.eval.modes if m not in core]}")
+        cfg = with_eval(modes=core, sampling=dataclasses.replace(cfg.eval.sampling, modes=None))
+    if not fits(cfg):
+        n = cfg.eval.max_new_tokens
+        while n > MIN_EVAL_TOKENS and not fits(with_eval(max_new_tokens=n)):
+            n = max(MIN_EVAL_TOKENS, int(n * 0.8))
+        if n != cfg.eval.max_new_tokens:
+            cuts.append(f"max_new_tokens {cfg.eval.max_new_tokens} -> {n}")
+            cfg = with_eval(max_new_tokens=n)
+    if not fits(cfg):
+        cuts.append(f"still {(eval_seconds(cfg, token_s) - left_s) / 60:.1f} min over the deadline")
+    return cfg, cuts

@@ -206,6 +206,8 @@ def eval_key(cfg: Config) -> str:
         "tree_stats": sha(Path(cfg.eval.train_run) / TREE_STATS) if cfg.eval.train_run else None,
         **({"adapter": adapter} if adapter else {}),  # heads trained with LoRA adapters
         "machine": cpu_model(),
+        # sized to a deadline (whatever its time): not the same evaluation as one without
+        **({"sized_to_deadline": True} if cfg.budget.deadline is not None else {}),
         "predictors": predictors})
 
 
@@ -224,6 +226,27 @@ def run_eval(cfg: Config) -> dict:
 
     with run_lock(Path(cfg.paths.output_dir), "mtp-eval"):
         return _run_eval(cfg)
+
+
+def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, dict]:
+    """budget.deadline: eval.* cut to what HF generate's measured rate says fits before it
+    (mtp_train/pipeline/budget.py: sampled runs, then extra modes, then shorter decodes)."""
+    import time
+
+    from mtp_train.pipeline.budget import eval_seconds, size_eval, token_seconds
+
+    token_s = token_seconds(backbone, prompt, backbone.model.dtype)
+    left = cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min
+    full = eval_seconds(cfg, token_s)
+    cfg, cuts = size_eval(cfg, token_s, left)
+    record = {"left_s": round(left, 1), "token_s": round(token_s, 5), "predicted_full_s": round(full, 1),
+              "predicted_s": round(eval_seconds(cfg, token_s), 1), "cut": cuts}
+    if cuts:
+        log.warning("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; cut: %s",
+                    left / 60, full / 60, "; ".join(cuts))
+    else:
+        log.info("budget.deadline: %.1f min left, the evaluation is predicted to take %.1f", left / 60, full / 60)
+    return cfg, record
 
 
 def _run_eval(cfg: Config) -> dict:
@@ -256,8 +279,11 @@ def _run_eval(cfg: Config) -> dict:
         if heads is not None:
             heads.to(dtype)
     log.info("decoding (and HF generate) in %s (eval.dtype=%s)", dtype, cfg.eval.dtype)
-    policies = load_span_policies(cfg, backbone, heads)
     prompts, skipped = select_prompts(cfg, backbone)
+    sized = None
+    if cfg.budget.deadline is not None and prompts:
+        cfg, sized = size_to_deadline(cfg, backbone, prompts[0])
+    policies = load_span_policies(cfg, backbone, heads)
     adapted = adapted_backbone(backbone, prompts, cfg) if heads is not None else None
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
@@ -276,6 +302,8 @@ def _run_eval(cfg: Config) -> dict:
         m["speedup_vs_best_hf"] = m["speedup_vs_hf"] * report["hf_dtypes"][here] / best if best else None
     if adapted:
         report["backbone_adapted"] = adapted
+    if sized is not None:
+        report["sized_to_deadline"] = sized
     report["predictors"] = {m: {"parameters": p.parameters, "threshold": p.threshold, "calibrated": p.calibrated}
                             for m, p in policies.items()}
     report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.train_run, skipped_prompts=skipped,
