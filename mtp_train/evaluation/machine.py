@@ -23,6 +23,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_line() -> str:
+    """The CPU as benchmarks print it beside their figures: model name, family/model numbers and the
+    vector flags that decide which layouts and dtypes win (AVX2, AVX-512, native bf16, AMX)."""
+    info = {}
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return (f"{cpu_model()} (family {info.get('cpu family', '?')} model {info.get('model', '?')}; "
+            f"{' '.join(vector) or 'no avx2'}), {torch.get_num_threads()} threads")
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """eval.dtype -> a torch dtype; auto = bf16 where matmuls have native bf16 (AMX, avx512_bf16, a
     GPU), float32 elsewhere. (Without them a bf16 forward over one token may still beat float32's,

@@ -224,6 +224,29 @@ def time_budget(cfg: Config, backbone, dm, resuming: bool):
     return TimeBudget(seconds, t.min_steps, cap, cfg.trainer.get("val_check_interval"), relative=relative), record
 
 
+def resolve_precision(cfg: Config, backbone, heads, dm) -> tuple[str, dict]:
+    """trainer.precision=auto: bf16-mixed or 32-true, whichever trains faster here, timed on the first
+    training batches (mtp_train/lit/step_options.py; on a GPU, bf16-mixed). Other values pass
+    through with an empty record."""
+    p = str(cfg.trainer.get("precision"))
+    if p != "auto":
+        return p, {}
+    import torch
+
+    if cfg.trainer.get("accelerator") not in (None, "cpu", "auto") or torch.cuda.is_available():
+        return "bf16-mixed", {"why": "a GPU"}
+    if cfg.backbone.lora.enabled:
+        return "32-true", {"why": "backbone.lora trains through the live backbone (not timed)"}
+    from mtp_train.lit.step_options import choose_precision
+
+    dm.setup()  # the first training batches (the sampler draws from its own seeded generator: the
+    # order training then sees is unchanged)
+    batches = [b for _, b in zip(range(4), dm.train_dataloader(), strict=False)]
+    if len(batches) < 2:
+        return "32-true", {"why": "too few training batches to time"}
+    return choose_precision(backbone, heads, cfg.loss, cfg.train, batches)
+
+
 def budget_trainer_kwargs(cfg: Config, budget, resuming: bool) -> dict:
     """Lightning's own guards around a time budget: min_steps keeps the floor, max_time stops a
     plan that went wrong at a quarter over the budget (not set for a resumed deadline run, whose
@@ -298,8 +321,10 @@ def _run_train(cfg: Config) -> dict:
     loggers = make_loggers(cfg)
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    precision, precision_record = resolve_precision(cfg, backbone, heads, dm)
     trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt] + ([budget] if budget else []),
-                          **trainer_plugins(cfg.trainer), **budget_trainer_kwargs(cfg, budget, budget_record.get("resumed", False)))
+                          **trainer_plugins(cfg.trainer), **budget_trainer_kwargs(cfg, budget, budget_record.get("resumed", False)),
+                          **({"precision": precision} if precision_record else {}))
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
@@ -320,7 +345,8 @@ def _run_train(cfg: Config) -> dict:
                                       "cache": str(cache.path) if cache is not None else None,
                                       "steps": trainer.global_step,
                                       "budget": ({**budget.summary(trainer.global_step), **budget_record}
-                                                 if budget else None)})
+                                                 if budget else None),
+                                      "precision": {"used": str(trainer.precision), **precision_record}})
             module.rank_stats.save(run_dir / TREE_STATS)
     close_loggers(loggers)
     if trainer.is_global_zero:

@@ -1,0 +1,79 @@
+"""Training-step options timed where the code runs, and trainer.precision=auto chosen by them.
+
+An option is a name made of parts joined by "+": `fp32`, `bf16` (autocast to bfloat16, what
+Lightning's bf16-mixed does on a CPU) and `compile` (torch.compile of the heads' forward). Each
+option gets its own copy of the same initial heads and its own AdamW, runs one untimed step first
+(for compile: the compile), then whole steps (forward, loss, backward, optimizer) over the same
+batches, in a rotating order per round, so that a machine that speeds up or slows down favours
+none. bench/step_options.py prints the table; mtp-train with trainer.precision=auto runs the fp32
+and bf16 options on its first batches and trains in the faster (docs/training.md, "Faster steps").
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# a bf16 step must be at least this much faster to be chosen: bf16 rounds the heads' activations,
+# so a tie goes to float32
+AUTO_MIN_GAIN = 1.1
+
+
+def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], options: list[str],
+                 rounds: int = 2) -> dict:
+    """{option: {"first_s": the untimed first step, "round_s": [seconds of the timed steps, per round]}}."""
+    from mtp_train.lit.module import MTPHeadsModule
+
+    setups = {}
+    for name in options:
+        parts = set(name.split("+"))
+        own = copy.deepcopy(heads)
+        module = MTPHeadsModule(backbone, own, loss_cfg, train_cfg)
+        module.log = lambda *a, **k: None  # no trainer here: nothing is logged
+        if "compile" in parts:
+            module.heads = torch.compile(own, dynamic=True)
+        setups[name] = (module, torch.optim.AdamW(own.parameters(), lr=train_cfg.lr), "bf16" in parts)
+
+    def step(name: str, batch: dict) -> float:
+        module, opt, bf16 = setups[name]
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = module.model_step(batch, "train")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    out = {name: {"first_s": step(name, batches[0]), "round_s": []} for name in options}
+    for r in range(rounds):
+        shift = r % len(options)
+        for name in options[shift:] + options[:shift]:
+            out[name]["round_s"].append(sum(step(name, b) for b in batches[1:]))
+    return out
+
+
+def choose_precision(backbone, heads, loss_cfg, train_cfg, batches: list[dict], rounds: int = 2) -> tuple[str, dict]:
+    """trainer.precision=auto: "bf16-mixed" where the CPU multiplies bf16 natively and a bf16 step
+    is at least AUTO_MIN_GAIN faster than a float32 one on these batches, else "32-true"; with the
+    timings (median seconds a step) it was chosen by."""
+    from mtp_train.backbone import cpu_has_native_bf16
+    from mtp_train.evaluation.machine import cpu_model
+
+    record = {"cpu": cpu_model(), "native_bf16": cpu_has_native_bf16()}
+    if not record["native_bf16"]:
+        return "32-true", {**record, "why": "no native bf16 on this CPU"}
+    t = time_options(backbone, heads, loss_cfg, train_cfg, batches, ["fp32", "bf16"], rounds)
+    steps = len(batches) - 1
+    sec = {n: statistics.median(v["round_s"]) / steps for n, v in t.items()}
+    gain = sec["fp32"] / sec["bf16"]
+    choice = "bf16-mixed" if gain >= AUTO_MIN_GAIN else "32-true"
+    record.update(step_s={n: round(v, 4) for n, v in sec.items()}, bf16_gain=round(gain, 3))
+    log.info("trainer.precision=auto on %s: float32 %.3f s a step, bf16 %.3f s (%.2fx) -> %s", record["cpu"],
+             sec["fp32"], sec["bf16"], gain, choice)
+    return choice, record

@@ -1,0 +1,83 @@
+"""Training-step options timed where the code runs (mtp_train/lit/step_options.py) and
+trainer.precision=auto chosen by them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import run_train
+
+FAST = ["debug=smoke"]
+
+
+def fake_timings(fp32: float, bf16: float):
+    def timed(backbone, heads, loss_cfg, train_cfg, batches, options, rounds=2):
+        per = {"fp32": fp32, "bf16": bf16}
+        return {n: {"first_s": 1.0, "round_s": [per[n] * (len(batches) - 1)] * rounds} for n in options}
+    return timed
+
+
+@pytest.mark.parametrize("native,fp32,bf16,expected", [
+    (True, 2.0, 1.0, "bf16-mixed"),   # twice as fast: bf16
+    (True, 1.05, 1.0, "32-true"),     # within AUTO_MIN_GAIN: a tie goes to float32
+    (True, 1.0, 2.0, "32-true"),      # bf16 slower (no native matmuls in practice)
+    (False, 9.0, 1.0, "32-true"),     # no native bf16: not even timed
+])
+def test_precision_auto_takes_bf16_only_where_it_is_native_and_clearly_faster(monkeypatch, native, fp32, bf16,
+                                                                              expected):
+    import mtp_train.backbone as bb
+    import mtp_train.lit.step_options as so
+
+    monkeypatch.setattr(bb, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(so, "time_options", fake_timings(fp32, bf16))
+    choice, record = so.choose_precision(None, None, None, None, [{}] * 4)
+    assert choice == expected
+    if native:
+        assert record["step_s"] == {"fp32": fp32, "bf16": bf16} and record["bf16_gain"] == pytest.approx(fp32 / bf16)
+    else:
+        assert "no native bf16" in record["why"]
+
+
+@pytest.mark.integration
+def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg):
+    """Every option is a real step: from the same start, one step of fp32 and of bf16 autocast moves
+    the heads, and the losses they report agree to bf16's precision."""
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads.persist import build_heads
+    from mtp_train.lit.data import MTPDataModule
+    from mtp_train.lit.step_options import time_options
+    from tests.helpers import prepare_tiny
+
+    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2")
+    prepare_tiny(cfg)
+    from mtp_train import layout
+    from mtp_train.layout import data_dirs
+
+    backbone = load_backbone(cfg.backbone)
+    dm = MTPDataModule(data_dirs(cfg), backbone.tokenizer.pad_token_id or 0, 4, layout.max_length(cfg), k=2,
+                       vocab_size=backbone.vocab_size)
+    dm.setup()
+    batches = [b for _, b in zip(range(3), dm.val_dataloader(), strict=False)]
+    heads = build_heads(cfg.heads, backbone)
+    before = {n: p.detach().clone() for n, p in heads.named_parameters()}
+    out = time_options(backbone, heads, cfg.loss, cfg.train, batches, ["fp32", "bf16"], rounds=2)
+    assert set(out) == {"fp32", "bf16"} and all(len(v["round_s"]) == 2 and v["first_s"] > 0 for v in out.values())
+    assert all(torch.equal(p, before[n]) for n, p in heads.named_parameters())  # copies trained, not these
+
+
+@pytest.mark.integration
+def test_mtp_train_with_precision_auto_records_its_choice(typed_cfg, tmp_path):
+    from mtp_train.backbone import cpu_has_native_bf16
+
+    run_train(typed_cfg(*FAST, "heads.k=2", "trainer.precision=auto", f"paths.output_dir={tmp_path}/run"))
+    meta = json.loads((tmp_path / "run" / "heads.json").read_text())
+    p = meta["recipe"]["precision"]
+    assert p["used"] in ("32-true", "bf16-mixed")
+    if cpu_has_native_bf16():
+        assert set(p["step_s"]) == {"fp32", "bf16"}
+        assert (p["used"] == "bf16-mixed") == (p["bf16_gain"] >= 1.1)
+    else:
+        assert p["used"] == "32-true" and "no native bf16" in p["why"]
