@@ -310,12 +310,17 @@ class TrainConfig:
     # steps, or, with budget.deadline, the time left before it minus what follows training
     time_budget_min: float | None = None
     min_steps: int = 50
+    # uniform noise on the states the heads read while training, in [-x, x] x each vector's RMS
+    # (EAGLE's trick for the drift of fed-back states; 0: none)
+    feature_noise: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice(self.data_use, DATA_USES, "train.data_use")
         check(self.time_budget_min is None or (math.isfinite(self.time_budget_min) and self.time_budget_min > 0),
               "train.time_budget_min", f"must be a number of minutes > 0 or null, got {self.time_budget_min}")
         check(self.min_steps >= 1, "train.min_steps", f"must be >= 1, got {self.min_steps}")
+        check(math.isfinite(self.feature_noise) and 0 <= self.feature_noise <= 1, "train.feature_noise",
+              f"must be in [0, 1] (a fraction of each state's RMS), got {self.feature_noise}")
         check(self.num_workers >= 0, "train.num_workers", f"must be >= 0, got {self.num_workers}")
         check(0 < self.data_fraction <= 1, "train.data_fraction", "must be in (0, 1]")
         check(self.batch_size > 0, "train.batch_size", "must be > 0")

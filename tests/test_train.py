@@ -522,3 +522,30 @@ def test_export_killed_while_writing_keeps_the_previous_heads_and_the_rerun_writ
     assert (run / "heads.safetensors").read_bytes() == before  # the published file is untouched
     export_heads(run)
     assert load_file(str(run / "heads.safetensors")).keys() == st.load(before).keys()
+
+
+def test_feature_noise_is_bounded_by_each_states_rms_and_only_in_training(typed_cfg):
+    from mtp_train.backbone import load_backbone
+    from mtp_train.heads.persist import build_heads
+    from mtp_train.lit.module import MTPHeadsModule, with_noise
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16) * torch.linspace(0.1, 10, 5)[None, :, None]  # positions of very different scale
+    y = with_noise(x, 0.2)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    d = (y - x).abs()
+    assert (d <= 0.2 * rms + 1e-6).all() and (d > 0).float().mean() > 0.99
+    assert (d.amax(-1) > 0.1 * rms[..., 0]).all()  # the noise fills its range, per position
+    assert with_noise(x, 0.0) is x and with_noise(None, 0.3) is None
+    # in a module: training steps see noised states, validation does not
+    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "train.feature_noise=0.5")
+    backbone = load_backbone(cfg.backbone)
+    heads = build_heads(cfg.heads, backbone)
+    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+    module.log = lambda *a, **k: None
+    ids = torch.randint(3, 200, (2, 12))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        val = [module.model_step(batch, "val") for _ in range(2)]
+        train = [module.model_step(batch, "train") for _ in range(2)]
+    assert torch.equal(val[0], val[1]) and not torch.equal(train[0], train[1])

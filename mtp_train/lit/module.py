@@ -125,7 +125,9 @@ class MTPHeadsModule(L.LightningModule):
         if not rows.any():  # no MTP target in this batch: only the distillation term (if any) counts
             extra = 0.0 if distill is None else self.lora_cfg.distill_weight * distill
             return self.heads_zero() + extra
-        head_hidden = heads(hidden, ids, self.backbone.embed_tokens, attn, aux=aux)  # (B, T, k, d)
+        noise = self.train_cfg.feature_noise if split == "train" else 0.0
+        head_hidden = heads(with_noise(hidden, noise), ids, self.backbone.embed_tokens, attn,
+                            aux=with_noise(aux, noise))  # (B, T, k, d); the teacher keeps the clean states
         logits = heads.project(head_hidden[rows], lm_head)[None]  # (1, N, k, |D|)
         with torch.no_grad():
             weight = heads.draft_weight(lm_head)  # (|D|, d)
@@ -339,6 +341,17 @@ class MTPHeadsModule(L.LightningModule):
         sched = lr_scheduler(opt, self.train_cfg, total)
         self.lr_shape = sched.lr_lambdas[0]  # a time budget revises its length (mtp_train/lit/budget.py)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def with_noise(x: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """train.feature_noise: the states the heads read, each vector plus uniform noise in
+    [-scale, scale] x its own RMS (EAGLE trains its drafter on noised features so that it copes with
+    the drift of the states it is fed while decoding; relative to the RMS so one setting suits any
+    backbone's scale). Unchanged for scale 0 and for None."""
+    if x is None or scale <= 0:
+        return x
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)
+    return x + (torch.rand_like(x) * 2 - 1) * (scale * rms)
 
 
 def _offloads_optimizer(strategy) -> bool:
