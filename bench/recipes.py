@@ -5,6 +5,7 @@ by side (the table behind the demo's choice, docs/results.md).
     python bench/recipes.py                           # the demo's data and cache, 80 steps a recipe
     python bench/recipes.py --steps 200 --out runs/recipes_200
     python bench/recipes.py --only kl_random,medusa_kl backbone=tiny   # any Hydra override after the flags
+    python bench/recipes.py --minutes 4 --steps 5000 --only demo,noise0.1,rows8   # equal CPU minutes
 
 Each recipe trains in <out>/<name>/ (a rerun skips finished ones: mtp-train's own recipe check).
 Writes <out>/recipes.{json,md} and prints the table, best first.
@@ -46,6 +47,16 @@ RECIPES = {
     "e2e_tv_adamtp": ["loss=e2e_tv", "loss.topk=0", "loss.adamtp=true"],
     "k2": ["heads.k=2"],
     "k4": ["heads.k=4"],
+    # more learning per CPU minute (issue: heads per CPU minute), on the demo's recipe: run with --minutes
+    "demo": [],
+    "noise0.1": ["train.feature_noise=0.1"],
+    "noise0.3": ["train.feature_noise=0.3"],
+    "lr2e-3": ["train.lr=2e-3"],
+    "lr3e-3_warm50": ["train.lr=3e-3", "train.warmup_steps=50"],
+    "rows8": ["train.batch_size=8"],
+    "rows2": ["train.batch_size=2"],
+    "vocab16k": ["heads.draft_vocab=16384"],
+    "bf16": ["trainer.precision=bf16-mixed"],
 }
 
 
@@ -53,6 +64,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/recipes")
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="equal CPU minutes instead of equal steps: each recipe trains to this time budget "
+                         "(train.time_budget_min; validation only at the end), --steps is then the cap")
     ap.add_argument("--only", default=None, help="comma-separated recipe names (default: all)")
     args, overrides = ap.parse_known_args(argv)
     from data_prep.stages import run_prep
@@ -67,9 +81,11 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in names:
         run = out / name
+        length = ([f"train.time_budget_min={args.minutes}", "train.min_steps=10", f"trainer.val_check_interval={args.steps}"]
+                  if args.minutes else [f"trainer.val_check_interval={max(1, args.steps // 2)}"])
         cfg = compose_config([
             "experiment=smollm2_demo", "logger=csv", *overrides, *RECIPES[name], f"trainer.max_steps={args.steps}",
-            f"trainer.val_check_interval={max(1, args.steps // 2)}", f"paths.output_dir={run}"])
+            *length, f"paths.output_dir={run}"])
         run_prep(dataclasses.replace(cfg, stage="all"))  # skips itself when up to date
         metrics = run_train(cfg)
         meta = json.loads((run / layout.HEADS_META).read_text())
@@ -81,13 +97,16 @@ def main(argv: list[str]) -> int:
                      "train_s": meta["run"]["elapsed_s"], "steps": meta["recipe"]["steps"],
                      "train_tokens": meta["recipe"]["train_tokens"]})
     rows.sort(key=lambda r: -r["sim_tau"])
-    lines = [f"{args.steps} steps each on {rows[0]['train_tokens']:,} training tokens",
+    from mtp_train.evaluation.machine import cpu_line
+
+    each = f"{args.minutes} CPU minutes" if args.minutes else f"{args.steps} steps"
+    lines = [f"{each} each on {rows[0]['train_tokens']:,} training tokens; CPU: {cpu_line()}",
              "", "| recipe | overrides | val sim_tau | val sim_tau_t1.0 | agree per depth | accuracy per depth | "
-             "alpha per depth | train wall |", "|---|---|---|---|---|---|---|---|"]
+             "alpha per depth | steps | train wall |", "|---|---|---|---|---|---|---|---|---|"]
     per_depth = lambda xs: " / ".join("-" if a is None else f"{a:.3f}" for a in xs)  # noqa: E731
     lines += [f"| {r['recipe']} | `{' '.join(r['overrides'])}` | {r['sim_tau']:.3f} | "
               f"{per_depth([r['sim_tau_t1.0']])} | {per_depth(r['agree'])} | "
-              f"{per_depth(r['acc'])} | {per_depth(r['alpha'])} | {r['train_s']:.0f} s |" for r in rows]
+              f"{per_depth(r['acc'])} | {per_depth(r['alpha'])} | {r['steps']} | {r['train_s']:.0f} s |" for r in rows]
     write_json_atomic(out / "recipes.json", rows)
     (out / "recipes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -69,6 +69,24 @@ def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypat
 
 
 @pytest.mark.integration
+def test_recipe_comparison_at_equal_cpu_minutes_gives_each_recipe_the_same_budget(tmp_path, monkeypatch):
+    import recipes
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--out", str(tmp_path / "rec"), "--minutes", "0.05", "--steps", "300", "--only", "demo,noise0.1",
+            f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "heads.k=2",
+            "trainer.enable_progress_bar=false", "data.distill.max_train_prompts=16",
+            "data.distill.max_val_prompts=4"]
+    assert recipes.main(args) == 0
+    rows = json.loads((tmp_path / "rec" / "recipes.json").read_text())
+    assert {r["recipe"] for r in rows} == {"demo", "noise0.1"}
+    for r in rows:
+        b = json.loads((tmp_path / "rec" / r["recipe"] / "heads.json").read_text())["recipe"]["budget"]
+        assert b["budget_s"] == pytest.approx(3.0) and 10 <= r["steps"] == b["steps"] <= 300
+    assert "0.05 CPU minutes each" in (tmp_path / "rec" / "recipes.md").read_text()
+
+
+@pytest.mark.integration
 def test_long_run_trains_points_with_steps_in_proportion_and_reports_the_targets(tmp_path, monkeypatch):
     import long_run
 
