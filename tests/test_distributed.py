@@ -274,6 +274,21 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(single_r
 
 
 @pytest.mark.integration
+def test_ddp_to_a_time_budget_trains_rank_0s_plan_on_every_rank(single_run):
+    """Each rank times its own steps; if each followed its own plan, one would stop while the other
+    waits in an all-reduce forever. Rank 0's plan is broadcast: the run ends, both ranks at the
+    same step."""
+    root, _ = single_run
+    _train(root, "ddp-budget", "trainer=ddp", "trainer.devices=2", "train.batch_size=2", "train.time_budget_min=0.15",
+           "train.min_steps=12", "trainer.max_steps=3000", "trainer.val_check_interval=25", timeout=400)
+    meta = json.loads((root / "ddp-budget" / "heads.json").read_text())
+    b = meta["recipe"]["budget"]
+    assert b["steps"] == b["planned"] == meta["recipe"]["steps"] and 12 <= b["steps"] < 3000
+    log1 = (root / "ddp-budget" / "train_ddp_process_1.log").read_text()
+    assert "Error" not in log1
+
+
+@pytest.mark.integration
 def test_ddp_reduces_the_lora_adapters_too(tmp_path):
     """With backbone.lora the adapters train in every rank; DDP must average their gradients as it
     does the heads' (they are registered in the LightningModule), or rank 0's adapters would follow

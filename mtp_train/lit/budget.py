@@ -89,11 +89,11 @@ class TimeBudget(Callback):
             self.recent = (self.recent + [dt])[-self.WINDOW:]
         step = trainer.global_step
         if self.train_steps >= self.measure and (self.planned is None or step % self.revise == 0):
-            self.plan(step, pl_module)
+            self.plan(step)
         elif self.planned is None and self.spent >= self.seconds:  # spent before it could measure
             self.planned = min(self.max_steps, max(self.min_steps, step))
             self.revisions.append((step, self.planned))
-            self._set(pl_module, self.planned)
+        self._sync(trainer, pl_module)
         if self.planned is not None and step >= self.planned:
             trainer.should_stop = True
 
@@ -109,7 +109,9 @@ class TimeBudget(Callback):
         self.spent += now - self._mark  # the validation and whatever ran between the step and it
         self._mark, self._val_mark = now, None
         if self.train_steps >= self.measure and not trainer.should_stop:  # not after the last step
-            if self.plan(trainer.global_step, pl_module) <= trainer.global_step:
+            self.plan(trainer.global_step)
+            self._sync(trainer, pl_module)
+            if self.planned <= trainer.global_step:
                 trainer.should_stop = True
 
     # --- the plan ----------------------------------------------------------------------------------
@@ -125,7 +127,17 @@ class TimeBudget(Callback):
             return self.val_s
         return 0.4 * self.val_batches * (self.step_seconds() or 0.0)
 
-    def plan(self, step: int, pl_module=None) -> int:
+    def _sync(self, trainer, pl_module) -> None:
+        """Every process trains rank 0's plan (each times its own steps; as Lightning's Timer does,
+        rank 0 decides, at the same points on every rank, so that no process stops alone), and the
+        schedule runs over it."""
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is not None and getattr(trainer, "world_size", 1) > 1:
+            self.planned = strategy.broadcast(self.planned, 0)
+        if self.planned is not None:
+            self._set(pl_module, self.planned)
+
+    def plan(self, step: int) -> int:
         sps, val = self.step_seconds(), self.validation_seconds()
         left_s = self.seconds - self.spent - val  # the validation after fitting is inside the budget
         log.debug("plan at step %d: %.2f s spent, %.3f s a step, validation %.2f s, %.2f s left", step, self.spent, sps,
@@ -140,8 +152,6 @@ class TimeBudget(Callback):
                          "(floor %d, cap %d)", self.seconds / 60, sps, val, planned, self.min_steps,
                          self.max_steps)
             self.planned = planned
-        if pl_module is not None:
-            self._set(pl_module, planned)
         return planned
 
     @staticmethod
