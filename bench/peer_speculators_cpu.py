@@ -36,8 +36,8 @@ import sys
 
 os.environ.pop("LOCAL_RANK", None)  # the single-process path
 
-import torch  # noqa: E402
 import speculators.train.trainer as peer  # noqa: E402
+import torch  # noqa: E402
 
 peer.get_local_rank = lambda: torch.device("cpu")
 if not torch.accelerator.is_available():
