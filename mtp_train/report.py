@@ -22,9 +22,10 @@ from mtp_train.evaluation.modes import MODES
 from mtp_train.goals import DEMO as TARGETS  # the demo's goals (mtp_train/goals.py)
 
 
-def _json(path: Path):
-    """The JSON record in `path` (an object or a list), None when the file is not there; a damaged
-    one is refused naming it (the stages write their records atomically: damage is an edit or a
+def _json(path: Path, kind: type = dict):
+    """The JSON record in `path` (an object; `kind=list` for the outputs), None when the file is not
+    there; a damaged one, or one of another kind (an eval report holding [] is not "no evaluation
+    yet"), is refused naming it (the stages write their records atomically: damage is an edit or a
     disk fault, never a run in progress)."""
     path = Path(path)
     if not path.exists():
@@ -33,8 +34,10 @@ def _json(path: Path):
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         raise MtpError(f"{path}: not a readable JSON record ({e}); rerun the stage that wrote it") from None
-    if not isinstance(value, (dict, list)):
-        raise MtpError(f"{path}: holds a {type(value).__name__}, not a JSON record; rerun the stage that wrote it")
+    if not isinstance(value, kind):
+        want = "an object" if kind is dict else "a list"
+        raise MtpError(f"{path}: holds a {type(value).__name__}, not {want} as its stage writes; rerun the stage "
+                       "that wrote it")
     return value
 
 
@@ -375,7 +378,7 @@ def _write_report(root: Path) -> Path:
                for k, m in preds]
         md.append("")
 
-    outputs = _json(ev / layout.OUTPUTS)
+    outputs = _json(ev / layout.OUTPUTS, list)
     if outputs:
         other = next((m for m in ("clp", "gate", "verify") if m in outputs[0]), None)
         md += ["## Sample outputs", ""]

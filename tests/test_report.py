@@ -180,9 +180,12 @@ def test_mtp_report_names_a_file_a_damaged_record_and_a_read_only_directory_in_o
     (tmp_path / "r1" / "train" / "heads.json").write_text(json.dumps({"heads": {}}))
     (tmp_path / "r2" / "eval").mkdir(parents=True)
     (tmp_path / "r2" / "eval" / "eval_report.json").write_text('{"modes": ')
+    (tmp_path / "r3" / "eval").mkdir(parents=True)
+    (tmp_path / "r3" / "eval" / "eval_report.json").write_text("[]")  # not "no evaluation yet"
     for root, message in ((a_file, "afile: not a directory; mtp-report reads a pipeline run's directory"),
                           (tmp_path / "r1", "r1: a record there lacks what the report reads (KeyError: 'backbone')"),
-                          (tmp_path / "r2", "eval_report.json: not a readable JSON record")):
+                          (tmp_path / "r2", "eval_report.json: not a readable JSON record"),
+                          (tmp_path / "r3", "eval_report.json: holds a list, not an object as its stage writes")):
         assert main([str(root)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err

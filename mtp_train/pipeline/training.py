@@ -28,6 +28,9 @@ def draft_vocab_for(cfg: Config, backbone):
     of turn), as sorted token ids; None when the heads score the whole vocabulary (N null, or at
     least the backbone's vocabulary size: the setting is a cap)."""
     n = cfg.heads.draft_vocab
+    if n is not None and n >= backbone.vocab_size:
+        log.warning("heads.draft_vocab=%d is not below the backbone's vocabulary (%d tokens): the heads score "
+                    "the whole vocabulary", n, backbone.vocab_size)
     if n is None or n >= backbone.vocab_size:
         return None
     from mtp_train.data.prepared import load_splits
