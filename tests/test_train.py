@@ -549,3 +549,16 @@ def test_feature_noise_is_bounded_by_each_states_rms_and_only_in_training(typed_
         val = [module.model_step(batch, "val") for _ in range(2)]
         train = [module.model_step(batch, "train") for _ in range(2)]
     assert torch.equal(val[0], val[1]) and not torch.equal(train[0], train[1])
+
+
+@pytest.mark.integration
+def test_a_longer_resumed_run_schedules_its_learning_rate_over_the_new_length(typed_cfg, tmp_path):
+    """The scheduler's state in a checkpoint carries the length it ran over (LrShape.total); resuming
+    with a larger trainer.max_steps must run the cosine over the new length, ending at min_lr_ratio
+    (with the old length restored, step 14 of a 4-step cosine is back at the full rate)."""
+    base = [*FAST, "heads=chained", "heads.k=2", "train.warmup_steps=2", "train.lr=1e-3", "train.min_lr_ratio=0.1"]
+    run_train(typed_cfg(*base))
+    run_train(typed_cfg(*base, "trainer.max_steps=14"))
+    ckpt = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 14 and ckpt["lr_schedulers"][0]["lr_lambdas"][0]["total"] == 14
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-4)

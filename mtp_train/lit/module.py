@@ -89,7 +89,23 @@ class MTPHeadsModule(L.LightningModule):
                 p.data = p.data.to(dtype)
 
     def on_train_start(self) -> None:  # a resumed mid-epoch run starts here, not at an epoch start
+        self._schedule_length()
         self.on_train_epoch_start()
+
+    def _schedule_length(self) -> None:
+        """The schedule's length for this fit, after a checkpoint was restored (the scheduler's state
+        carries the length it ran over, which a longer trainer.max_steps must replace): a time
+        budget's plan when it has one, else trainer.max_steps."""
+        from mtp_train.lit.budget import TimeBudget
+
+        if self.lr_shape is None:
+            return
+        budget = next((cb for cb in self.trainer.callbacks if isinstance(cb, TimeBudget)), None)
+        if budget is None:
+            self.lr_shape.total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0
+                                      else self.trainer.estimated_stepping_batches)
+        elif budget.planned is not None:
+            self.lr_shape.total = budget.planned
 
     def on_train_epoch_start(self) -> None:
         """After a mid-epoch resume, skip the rows this epoch already trained on."""
