@@ -83,7 +83,11 @@ def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
     truncated_away["no assistant token within data.max_length"] = n_before - len(ds)
     ds = ds.remove_columns("render_error")
     if len(ds) < 2:
-        raise DataError(f"data ({cfg.source}): only {len(ds)} usable conversation(s); need 2 or more")
+        why = "; ".join(f"{n} dropped: {r}" for r, n in truncated_away.most_common() if n)
+        hint = (f" (their prompts fill data.max_length={cfg.max_length}: raise it)"
+                if truncated_away["no assistant token within data.max_length"] else "")
+        raise DataError(f"data ({cfg.source}): only {len(ds)} usable conversation(s); need 2 or more"
+                        f"{f' ({why}){hint}' if why else ''}")
 
     n_val = min(len(ds) - 1, max(cfg.min_val_rows, round(cfg.val_fraction * len(ds))))
     split = ds.train_test_split(test_size=n_val, seed=cfg.seed, shuffle=True)
@@ -118,17 +122,20 @@ def prepare_dataset(cfg: DataConfig, tokenizer, keep_prompt_only: bool = False,
     return manifest
 
 
+def _at(stats: sources.SourceStats, reason: str) -> str:
+    lines = stats.lines.get(reason)
+    return f" (first at line(s) {', '.join(map(str, lines))})" if lines else ""
+
+
 def _report_source(cfg: DataConfig, stats: sources.SourceStats, kept: int) -> None:
     where = cfg.path or ("the in-code generator" if cfg.source == "tiny" else "the bundled file")
     unparsed = {r: n for r, n in stats.dropped.items()
                 if "malformed" in r or "truncated" in r or r == sources.NOT_UTF8_REASON}
     filtered = {r: n for r, n in stats.dropped.items() if r not in unparsed}
     log.info("data (%s): %s complete conversations kept from %s", cfg.source, f"{stats.parsed:,}", where)
-    if unparsed:
-        log.warning("data (%s): skipped %d unparseable record(s) (%s); first at line(s) %s",
-                    cfg.source, sum(unparsed.values()),
-                    ", ".join(f"{n} {r}" for r, n in unparsed.items()),
-                    ", ".join(map(str, stats.bad_lines)))
+    if unparsed:  # each reason with its own lines (a count beside other reasons' lines misleads)
+        log.warning("data (%s): skipped %d unparseable record(s): %s", cfg.source, sum(unparsed.values()),
+                    "; ".join(f"{n} {r}{_at(stats, r)}" for r, n in unparsed.items()))
     for reason, n in sorted(filtered.items(), key=lambda kv: -kv[1]):
-        log.info("data (%s): dropped %s: %s", cfg.source, f"{n:,}", reason)
+        log.info("data (%s): dropped %s: %s%s", cfg.source, f"{n:,}", reason, _at(stats, reason))
     log.info("data (%s): %s conversations usable", cfg.source, f"{kept:,}")

@@ -43,8 +43,7 @@ from mtp_train.artifacts import (
 from mtp_train.backbone import autocast_to, cut_at_eos, eos_ids, resolve_autocast
 from mtp_train.config import DistillConfig
 from mtp_train.data.cache import SPLITS, STATES_DTYPE, shard_digests, shard_file, sidecar
-from mtp_train.data.prepared import load_prepared
-from mtp_train.data.sources import tokenizer_identity
+from mtp_train.data.prepared import distill_plan, load_prepared
 from mtp_train.data.template import IGNORE, render_prompt
 from mtp_train.errors import DataError
 from mtp_train.layout import MANIFEST, PLAN, SHARD_META, SHARD_STATES, STATES
@@ -61,21 +60,6 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
             break
         out.append({"role": m["role"], "content": m["content"]})
     return out
-
-
-def distill_plan(source_manifest: dict, backbone_name: str, tokenizer, cfg: DistillConfig,
-                 max_length: int, device: torch.device, backbone_identity: dict | None = None) -> dict:
-    gen = {k: getattr(cfg, k) for k in ("max_new_tokens", "max_prompt_tokens", "do_sample",
-                                         "batch_size", "shard_size", "max_train_prompts",
-                                         "max_val_prompts", "seed", "keep_states")}
-    gen["autocast"] = resolve_autocast(device, cfg.autocast)
-    if cfg.engine != "hf":  # absent for HF generate, so the rows it made before keep their hash
-        gen["engine"] = cfg.engine
-    if cfg.do_sample:
-        gen.update(temperature=cfg.temperature, top_p=cfg.top_p)
-    return {"source_hash": source_manifest["config_hash"], "backbone": backbone_name,
-            "backbone_identity": backbone_identity,
-            "tokenizer": tokenizer_identity(tokenizer), "generation": gen, "max_length": max_length}
 
 
 def _shards(n_rows: int, size: int) -> list[tuple[int, int]]:

@@ -44,11 +44,15 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> dict | None:
-    """The JSON object in `path`, or None when it is missing or half-written."""
+    """The JSON object in `path`, or None when it is missing or half-written; a directory (or other
+    non-file) where the record belongs is refused naming it."""
     try:
         return json.loads(Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise MtpError(f"{path}: cannot be read as a JSON record ({type(e).__name__}); move it away and "
+                       "rerun the stage that writes it") from None
 
 
 def read_weights_meta(directory: Path, meta_name: str, weights_name: str, written_by: str

@@ -212,6 +212,12 @@ def backbone_identity(cfg: BackboneConfig) -> dict:
     if cfg.source == "gguf":
         identity["weights_sha256"] = (read_json(Path(cfg.converted_dir) / CONVERT_MANIFEST) or {}).get(
             "source", {}).get("sha256")
+    elif cfg.source == "hf" and cfg.path and Path(cfg.path).is_dir():
+        # other weights saved at the same path are another backbone: every stage keyed on this
+        # sees them (sampled values of the *.safetensors files, read in milliseconds)
+        samples = file_samples(Path(cfg.path))
+        if samples is not None:
+            identity["weights"] = weights_fingerprint(samples)
     return identity
 
 

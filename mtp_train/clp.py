@@ -93,12 +93,37 @@ def held_out_calibration(predictor: SpanPredictor, hidden: torch.Tensor, head_pr
             "val/p_span1_observed": float((labels >= 1).float().mean())}
 
 
+def check_predictor_weights(meta: dict, weights: Path) -> None:
+    """predictor.safetensors is the file mtp-clp wrote (its sha256 in predictor.json; predictors
+    from before that record are not checked)."""
+    from mtp_train.artifacts import file_sha256
+
+    want = meta.get("weights_sha256")
+    if want is not None and file_sha256(weights) != want:
+        raise MtpError(f"{weights}: not the weights mtp-clp fitted (its sha256 differs from the one "
+                       f"{PREDICTOR_META} records: damaged, edited or copied from another run); rerun "
+                       "`mtp-clp stage=fit` (and calibrate)")
+
+
+def calibration_seal(meta: dict) -> str:
+    """A digest over what calibration decided and for which weights and settings: a threshold edited
+    by hand (eval.span_threshold is the way to try another) no longer passes as calibrated."""
+    from mtp_train.artifacts import config_hash
+
+    return config_hash({k: meta.get(k) for k in ("threshold", "calibrated", "calibration_hash", "weights_sha256")})
+
+
 def saved_threshold(meta: dict, where="predictor.json") -> float | None:
     """The calibrated threshold a predictor's predictor.json holds (None: not calibrated yet), held to
-    the rule clp.thresholds and eval.span_threshold are held to on the command line: a number in (0, 1]."""
+    the rule clp.thresholds and eval.span_threshold are held to on the command line: a number in (0, 1],
+    and to the seal calibration wrote beside it."""
     value = meta.get("threshold")
     if value is None:
         return None
+    if meta.get("seal") is not None and meta["seal"] != calibration_seal(meta):
+        raise MtpError(f"{where}: the threshold or its calibration record was changed after mtp-clp calibrated it "
+                       f"(threshold {value!r}); rerun `mtp-clp stage=calibrate`, or try a threshold with "
+                       "eval.span_threshold")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise MtpError(f"{where}: threshold {value!r} is not a probability in (0, 1]; the file was edited or "
                        "damaged: rerun `mtp-clp stage=calibrate`")
@@ -150,8 +175,12 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
     tmp = out_dir / (PREDICTOR_FILE + ".tmp")
     save_file(state, str(tmp))
     os.replace(tmp, out_dir / PREDICTOR_FILE)
+    from mtp_train.artifacts import file_sha256
+
     write_json_atomic(out_dir / PREDICTOR_META, {
         **meta, "kind": "clp" if isinstance(predictor, LinearCLP) else "gate", "k": predictor.k,
+        # loading checks the file against it: damaged, edited or swapped weights are refused
+        "weights_sha256": file_sha256(out_dir / PREDICTOR_FILE),
         "hidden_size": predictor.hidden_size, "use_head_probs": predictor.use_head_probs,
         "parameters": count_parameters(predictor)["total"]})
     return out_dir / PREDICTOR_FILE
@@ -170,7 +199,8 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
     if backbone_name is not None and meta.get("backbone") not in (None, backbone_name):
         raise ConfigError(f"{meta_file}: fitted for backbone {meta.get('backbone')!r}, not {backbone_name!r}")
     predictor = build_predictor(meta["kind"], hidden_size, k, meta.get("use_head_probs", False))
-    state = load_weights(weights)
+    state = load_weights(weights)  # an unreadable or non-finite file is named as such first
+    check_predictor_weights(meta, weights)
     try:
         predictor.load_state_dict(state)
     except RuntimeError as e:

@@ -281,12 +281,26 @@ def write_report(run_root: str | Path) -> Path:
         raise MtpError(f"{root / layout.REPORT}: cannot write the report ({e.strerror}); nothing was changed") from None
 
 
+def check_same_heads(heads: dict, report: dict, train: Path, ev: Path) -> None:
+    """An evaluation of other heads (the run retrained since, with another k) is not put beside
+    these heads' figures: refused naming both (reports from before the heads' digest was recorded
+    are checked by k only)."""
+    theirs, ours = report.get("heads_sha256"), heads.get("weights_sha256")
+    stale = (theirs and ours and theirs != ours) or (report.get("k") is not None and report.get("k") != heads.get("k"))
+    if stale:
+        raise MtpError(f"{ev / layout.EVAL_REPORT} was measured on other heads than {train / layout.HEADS_FILE} holds "
+                       f"now (k={report.get('k')}, weights {str(theirs)[:12]} vs k={heads.get('k')}, "
+                       f"{str(ours)[:12]}); rerun mtp-eval on this run")
+
+
 def _write_report(root: Path) -> Path:
     train, clp, ev = layout.pipeline_dirs(root)
     heads = _json(train / layout.HEADS_META)
     report = _json(ev / layout.EVAL_REPORT)
     if heads is None and report is None:
         raise MtpError(f"{root}: no train/heads.json and no eval/eval_report.json; nothing to report")
+    if heads and report:
+        check_same_heads(heads, report, train, ev)
     md = [f"# mtp-train report: {root}", ""]
 
     md += ["## What ran", ""]

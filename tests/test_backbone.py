@@ -75,6 +75,25 @@ def test_local_hf_directory_loads_frozen(tmp_path, tiny_backbone):
     torch.testing.assert_close(bb.lm_head.weight, tiny_backbone.lm_head.weight)
 
 
+def test_other_weights_at_the_same_hf_path_are_another_backbone(tmp_path, tiny_backbone):
+    """Every stage keys on backbone_identity: weights replaced at the same backbone.path left the
+    data, the cache, the recipe and the evaluation all "up to date" (hostile round 5)."""
+    import shutil
+
+    from mtp_train.backbone import backbone_identity
+    from mtp_train.config import TinyBackboneConfig
+
+    tiny_backbone.model.save_pretrained(tmp_path / "m")
+    tiny_backbone.tokenizer.save_pretrained(tmp_path / "m")
+    cfg = BackboneConfig(name="x", source="hf", path=str(tmp_path / "m"))
+    before = backbone_identity(cfg)
+    assert before == backbone_identity(cfg) and before["weights"]
+    other = load_backbone(BackboneConfig(name="t", source="tiny", tiny=TinyBackboneConfig(seed=1)))
+    other.model.save_pretrained(tmp_path / "m1")
+    shutil.copy(tmp_path / "m1" / "model.safetensors", tmp_path / "m" / "model.safetensors")
+    assert backbone_identity(cfg)["weights"] != before["weights"]
+
+
 @pytest.mark.slow
 def test_real_smollm2_conversion_matches_the_gguf_and_answers_fluently(tmp_path):
     """Converts the bundled SmolLM2 once, reuses it, and greedy-decodes exactly like the GGUF."""

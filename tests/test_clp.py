@@ -323,3 +323,35 @@ def test_a_saved_threshold_outside_0_1_is_refused_as_on_the_command_line(value):
         saved_threshold({"threshold": value}, "runs/x/predictor.json")
     assert saved_threshold({"threshold": 0.8}) == 0.8 and saved_threshold({"threshold": 1}) == 1.0
     assert saved_threshold({}) is None
+
+
+@pytest.mark.bad_input
+def test_damaged_swapped_or_hand_edited_predictors_are_refused(tmp_path):
+    """Predictor weights with flipped exponents (finite), weights copied from another run, and a
+    threshold edited in predictor.json were all reused as fitted and calibrated (hostile round 5)."""
+    import json
+    import shutil
+
+    from mtp_train.clp import calibration_seal, saved_threshold
+
+    torch.manual_seed(0)
+    save_predictor(tmp_path / "a", LinearCLP(8, 3), {"backbone": "tiny-llama"})
+    save_predictor(tmp_path / "b", LinearCLP(8, 3), {"backbone": "tiny-llama"})
+    load_predictor(tmp_path / "a", 8, 3)
+    raw = bytearray((tmp_path / "a" / "predictor.safetensors").read_bytes())
+    raw[-3] ^= 0x01  # one low mantissa bit of the last value: still finite
+    (tmp_path / "a" / "predictor.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(MtpError, match=r"a/predictor\.safetensors: not the weights mtp-clp fitted"):
+        load_predictor(tmp_path / "a", 8, 3)
+    shutil.copy(tmp_path / "b" / "predictor.safetensors", tmp_path / "a" / "predictor.safetensors")
+    with pytest.raises(MtpError, match="not the weights mtp-clp fitted"):
+        load_predictor(tmp_path / "a", 8, 3)
+    # calibration's seal: the record as written passes; a threshold edited by hand does not
+    meta = json.loads((tmp_path / "b" / "predictor.json").read_text())
+    meta.update(threshold=0.3, calibrated=True, calibration_hash="h")
+    meta["seal"] = calibration_seal(meta)
+    assert saved_threshold(meta) == 0.3
+    with pytest.raises(MtpError, match="changed after mtp-clp calibrated it"):
+        saved_threshold({**meta, "threshold": 0.01})
+    with pytest.raises(MtpError, match="changed after mtp-clp calibrated it"):
+        saved_threshold({**meta, "calibrated": False})

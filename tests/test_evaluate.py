@@ -941,3 +941,42 @@ def test_an_evaluation_past_its_deadline_is_cut_and_says_so(trained_heads):
     again = run_eval(_eval_cfg(root, "eval.modes=[verify]", "eval.rounds=1", "eval.max_new_tokens=40",
                                f"paths.output_dir={root}/eval-dl"))
     assert "sized_to_deadline" not in again and again["max_new_tokens"] == 40
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_rank_statistics_of_other_heads_are_refused(trained_heads, tmp_path):
+    """A tree_stats.json copied from k=3 heads beside these k=2 heads grew a wrong tree silently
+    (hostile round 5): refused naming the file and both depths."""
+    import shutil
+
+    from mtp_train.trees import RankStats
+
+    root = trained_heads
+    other = tmp_path / "train"
+    shutil.copytree(root / "train", other)
+    RankStats(k=3, max_rank=RankStats.rank_cap(3)).save(other / "tree_stats.json")
+    with pytest.raises(MtpError, match=r"tree_stats\.json: rank statistics of k=3 heads, but these heads have k=2"):
+        run_eval(_eval_cfg(root, f"eval.train_run={other}", "eval.modes=[tree]", "eval.rounds=1",
+                           f"paths.output_dir={tmp_path}/eval"))
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_validation_prompts_of_a_re_split_dataset_are_refused(trained_heads, tmp_path):
+    """After `mtp-prep data.seed=1` re-split the data, eval's "held-out" validation prompts included
+    rows the heads trained on (hostile round 5): refused, naming the key and the way out."""
+    import shutil
+
+    from mtp_train.errors import ConfigError
+    from mtp_train.pipeline.evaluation import run_eval as eval_only
+    from tests.helpers import prepare_tiny
+
+    root = tmp_path / "r"
+    shutil.copytree(trained_heads, root)
+    prepare_tiny(_eval_cfg(root, "data.seed=1"))  # the same directory, another split
+    with pytest.raises(ConfigError, match="eval.prompt_source: .* is not the split these heads trained on"):
+        eval_only(_eval_cfg(root, "eval.modes=[verify]", "eval.rounds=1"))
+    shutil.rmtree(root / "eval", ignore_errors=True)
+    prepare_tiny(_eval_cfg(root))  # the heads' own split again: decodes
+    assert eval_only(_eval_cfg(root, "eval.modes=[verify]", "eval.rounds=1"))["modes"]["verify"]

@@ -201,3 +201,32 @@ def test_mtp_report_names_a_file_a_damaged_record_and_a_read_only_directory_in_o
     assert main([str(tmp_path / "r1")]) == 2
     assert "r1/report.md: cannot write the report" in capsys.readouterr().err
     assert not list((tmp_path / "r1").glob("report.md.tmp*"))  # no temporary left behind
+
+
+@pytest.mark.bad_input
+def test_an_evaluation_of_other_heads_is_not_reported_beside_these(tmp_path):
+    """Retrained heads (k=2) beside an evaluation of the earlier ones (k=3, tau 3.88, impossible for
+    k=2) made one page of both (hostile round 5): refused naming both files."""
+    from mtp_train.report import check_same_heads
+
+    train, ev = tmp_path / "train", tmp_path / "eval"
+    heads = {"k": 2, "weights_sha256": "a" * 64}
+    for report, stale in (({"k": 3, "heads_sha256": "b" * 64}, True), ({"k": 2, "heads_sha256": "b" * 64}, True),
+                          ({"k": 3}, True), ({"k": 2, "heads_sha256": "a" * 64}, False), ({"k": 2}, False)):
+        if stale:
+            with pytest.raises(MtpError, match=r"eval_report\.json was measured on other heads than .*heads\.safetensors"):
+                check_same_heads(heads, report, train, ev)
+        else:
+            check_same_heads(heads, report, train, ev)
+
+
+@pytest.mark.bad_input
+def test_a_directory_where_a_json_record_belongs_is_named(tmp_path):
+    """heads.json or eval_report.json replaced by a directory ended in IsADirectoryError tracebacks
+    (hostile round 5)."""
+    from mtp_train.artifacts import read_json
+
+    (tmp_path / "heads.json").mkdir()
+    with pytest.raises(MtpError, match=r"heads\.json: cannot be read as a JSON record \(IsADirectoryError\)"):
+        read_json(tmp_path / "heads.json")
+    assert read_json(tmp_path / "absent.json") is None

@@ -313,3 +313,22 @@ def test_an_export_never_deletes_what_it_did_not_write(typed_cfg, tmp_path, caps
     with pytest.raises(MtpError, match=r"an earlier export that now also holds backbone/mine\.txt"):
         export_for_engine(run, "medusa", out)
     assert (out / "backbone" / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.bad_input
+def test_an_export_destination_that_is_a_symlink_is_refused_in_one_line(tmp_path):
+    """--out naming a link was renamed aside and replaced by a real directory (the linked one left
+    stale), and a link loop ended in a traceback (hostile round 5)."""
+    import os
+
+    from mtp_train.errors import MtpError
+    from mtp_train.pipeline.serving import check_destination
+
+    (tmp_path / "served" / "a").mkdir(parents=True)
+    os.symlink(tmp_path / "served" / "a", tmp_path / "link")
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    for name in ("link", "loop1"):
+        with pytest.raises(MtpError, match=rf"--out .*{name}: a symbolic link"):
+            check_destination(tmp_path / name, None)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "served" / "a").is_dir()

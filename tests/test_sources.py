@@ -113,9 +113,10 @@ def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
     assert stats.dropped['"prompt" is not text'] == 1 and stats.dropped['"messages" is not a list of turns'] == 1
     assert stats.dropped["empty prompt"] == 1
     assert stats.dropped["no assistant turn"] == 1
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         _report_source(DataConfig(name="j", source="jsonl", path=str(path), output_dir="x"), stats, 2)
-    assert "skipped 2 unparseable record(s)" in caplog.text and "line(s) 2, 5" in caplog.text
+    assert "skipped 2 unparseable record(s): 2 malformed JSON line (first at line(s) 2, 5)" in caplog.text
+    assert 'dropped 1: row without "prompt" or "messages" (first at line(s) 6)' in caplog.text  # its own lines
 
 
 @pytest.mark.bad_input
@@ -261,3 +262,30 @@ def test_rows_that_would_train_on_wrong_targets_are_refused(tmp_path, damage, me
     (tmp_path / "d" / MANIFEST).write_text("{}")
     with pytest.raises(DataError, match=message):
         load_splits([tmp_path / "d"], vocab_size=259)
+
+
+def test_a_jsonl_file_starting_with_a_byte_order_mark_keeps_its_first_row(tmp_path):
+    """A BOM (as some editors save UTF-8) made the first valid row "malformed" (hostile round 5)."""
+    rows = [{"prompt": "What is 1+1?", "response": "2"}, {"prompt": "And 2+2?", "response": "4"}]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode() + b"\n")
+    stats = sources.SourceStats()
+    convs = list(sources.read_jsonl(path, stats, keep_prompt_only=False))
+    assert [c["messages"][-1]["content"] for c in convs] == ["2", "4"] and not stats.bad_lines
+
+
+@pytest.mark.bad_input
+def test_too_few_usable_conversations_say_why_and_name_the_length(typed_cfg, tmp_path):
+    """Prompts that alone fill data.max_length left "only 0 usable conversation(s)" with the reason
+    counted but never shown (hostile round 5)."""
+    import dataclasses
+
+    from data_prep.stages import run_prep
+
+    rows = [{"prompt": " ".join(["word"] * 300) + f" {i}?", "response": "yes"} for i in range(6)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = typed_cfg("debug=smoke", "data=jsonl", "data.name=long", f"data.path={path}", "data.max_length=64")
+    with pytest.raises(DataError, match=r"only 0 usable conversation\(s\); need 2 or more \(6 dropped: no assistant "
+                                        r"token within data\.max_length\) \(their prompts fill data\.max_length=64"):
+        run_prep(dataclasses.replace(cfg, stage="data"))

@@ -446,6 +446,48 @@ def test_export_refuses_a_deeper_checkpoint_and_drops_another_runs_figures(typed
 
 @pytest.mark.bad_input
 @pytest.mark.integration
+def test_export_from_last_ckpt_gives_the_finished_heads_and_never_older_weights_with_newer_figures(typed_cfg,
+                                                                                                   tmp_path):
+    """With max_steps not a multiple of the checkpoint interval, last.ckpt lagged the heads: the
+    default export wrote step-4 weights under step-5 metrics and tree statistics (hostile round 5).
+    Training now ends with a checkpoint of its final weights; a checkpoint at another step than
+    the heads keeps none of their figures."""
+    import shutil
+
+    from mtp_train.layout import TREE_STATS
+    from mtp_train.pipeline.export import checkpoint_step, export_heads
+
+    run = tmp_path / "out"
+    run_train(typed_cfg(*FAST, "heads.k=2", "trainer.max_steps=5", "trainer.val_check_interval=2"))
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5
+    heads = load_file(str(run / "heads.safetensors"))
+    export_heads(run)
+    again = load_file(str(run / "heads.safetensors"))
+    assert all(torch.equal(heads[n], again[n]) for n in heads)
+    assert "val/sim_tau" in json.loads((run / "heads.json").read_text())["metrics"]
+    # an older checkpoint in last.ckpt's place (as before the fix): figures dropped, not mislabelled
+    shutil.copy(run / "checkpoints" / "last.ckpt", tmp_path / "step5.ckpt")
+    run_train(typed_cfg(*FAST, "heads.k=2", "trainer.max_steps=7", "trainer.val_check_interval=2"))
+    shutil.copy(tmp_path / "step5.ckpt", run / "checkpoints" / "last.ckpt")
+    export_heads(run)
+    meta = json.loads((run / "heads.json").read_text())
+    assert "val/sim_tau" not in meta["metrics"] and not (run / TREE_STATS).exists()
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_export_of_a_checkpoint_from_a_run_on_other_backbone_weights_is_refused(typed_cfg, tmp_path):
+    from mtp_train.errors import ConfigError
+    from mtp_train.pipeline.export import export_heads
+
+    run_train(typed_cfg(*FAST, "heads.k=2", f"paths.output_dir={tmp_path}/a"))
+    run_train(typed_cfg(*FAST, "heads.k=2", "backbone.tiny.seed=1", f"paths.output_dir={tmp_path}/b"))
+    with pytest.raises(ConfigError, match=r"last\.ckpt: trained on another backbone"):
+        export_heads(tmp_path / "a", tmp_path / "b" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
 def test_resuming_past_a_shorter_max_steps_is_refused(typed_cfg, tmp_path):
     run_train(typed_cfg(*FAST, "trainer.max_steps=6", "trainer.val_check_interval=3"))
     (tmp_path / "out" / "heads.json").unlink()  # so the run is resumed, not skipped as finished
@@ -562,3 +604,83 @@ def test_a_longer_resumed_run_schedules_its_learning_rate_over_the_new_length(ty
     ckpt = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert ckpt["global_step"] == 14 and ckpt["lr_schedulers"][0]["lr_lambdas"][0]["total"] == 14
     assert ckpt["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_a_refused_run_leaves_the_finished_run_in_place(typed_cfg, tmp_path):
+    """A changed recipe supersedes the finished run only once the new run's checks have passed: a
+    command refused for its data settings must not move the finished heads aside (hostile round 5)."""
+    from mtp_train.layout import SUPERSEDED
+
+    run_train(typed_cfg(*FAST, "heads.k=2"))
+    heads = (tmp_path / "out" / "heads.safetensors").read_bytes()
+    with pytest.raises(MtpError, match="other data settings|missing"):
+        from mtp_train.pipeline.training import (
+            run_train as train_only,  # no preparation: the data differ
+        )
+
+        train_only(typed_cfg(*FAST, "heads.k=3", "data.max_length=64"))
+    assert (tmp_path / "out" / "heads.safetensors").read_bytes() == heads
+    assert not (tmp_path / "out" / SUPERSEDED).exists()
+    assert run_train(typed_cfg(*FAST, "heads.k=2"))  # still finished: skipped
+
+
+def test_trainer_keys_that_change_the_weights_are_part_of_the_recipe(typed_cfg):
+    """Other clipping, accumulation, a part of each epoch or another number of processes train other
+    weights: not "the same recipe" (hostile round 5); logging keys are not part of it, and the
+    defaults leave recipes from before this rule unchanged."""
+    from mtp_train.pipeline.rundir import recipe_keys
+
+    base = recipe_keys(typed_cfg(*FAST))
+    for other in ("+trainer.accumulate_grad_batches=4", "trainer.gradient_clip_val=0.001",
+                  "trainer.limit_train_batches=0.25", "trainer.devices=2"):
+        assert recipe_keys(typed_cfg(*FAST, other))[0] != base[0], other
+    for same in ("trainer.log_every_n_steps=7", "trainer.enable_progress_bar=true", "trainer.gradient_clip_val=1",
+                 "trainer.val_check_interval=3"):
+        assert recipe_keys(typed_cfg(*FAST, same)) == base, same
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_rows_distilled_with_other_settings_or_by_another_backbone_are_refused(typed_cfg, tmp_path):
+    """mtp-train trained on rows distilled with max_new_tokens 16 when told 4, and on another tiny
+    backbone's "self"-distilled answers (hostile round 5): each refused naming what differs."""
+    from mtp_train.errors import DataError
+    from mtp_train.pipeline.training import run_train as train_only
+    from tests.helpers import prepare_tiny
+
+    prepare_tiny(typed_cfg(*FAST, "heads.k=2"))
+    with pytest.raises(DataError, match=r"data\.distill\.max_new_tokens: .* was distilled with \d+, this run says 4"):
+        train_only(typed_cfg(*FAST, "heads.k=2", "data.distill.max_new_tokens=4"))
+    prepare_tiny(typed_cfg(*FAST, "heads.k=2", "backbone.tiny.seed=1"))  # rewrites the same distilled rows
+    with pytest.raises(DataError, match="was distilled by another backbone than this one"):
+        train_only(typed_cfg(*FAST, "heads.k=2"))
+    assert not (tmp_path / "out" / "heads.safetensors").exists()
+
+
+@pytest.mark.bad_input
+def test_a_planted_yaml_tag_in_the_run_config_is_one_line_and_never_runs(tmp_path):
+    from mtp_train.pipeline.export import load_recipe
+
+    (tmp_path / "run_config.yaml").write_text(f"seed: !!python/object/apply:os.system ['touch {tmp_path}/ran']\n")
+    with pytest.raises(MtpError, match=r"run_config\.yaml: not a config mtp-train wrote"):
+        load_recipe(tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_a_checkpoint_of_other_heads_without_its_run_record_is_refused_in_one_line(typed_cfg, tmp_path):
+    """A k=2 last.ckpt in a directory without run_meta.json, resumed as k=3, ended in Lightning's
+    load_state_dict traceback (hostile round 5)."""
+    import shutil
+
+    from mtp_train.errors import ConfigError
+    from mtp_train.pipeline.training import run_train as train_only
+
+    run_train(typed_cfg(*FAST, "heads.k=2", f"paths.output_dir={tmp_path}/a"))
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"last\.ckpt holds other heads than these \(parameters \["):
+        train_only(typed_cfg(*FAST, "heads.k=3", f"paths.output_dir={tmp_path}/b"))

@@ -151,9 +151,54 @@ def check_labelled_is_current(cfg: Config, tokenizer) -> None:
                         + (" (backbone=tiny included)" if cfg.data.source == "tiny" else ""))
 
 
-def check_prepared_is_current(cfg: Config, tokenizer) -> None:
+def distill_plan(source_manifest: dict, backbone_name: str, tokenizer, cfg, max_length: int, device,
+                 backbone_identity: dict | None = None) -> dict:
+    """What self-distilled rows are made from (data_prep/distill.py hashes it into their manifest;
+    mtp-train compares the rows it is given with it): the labelled source, the backbone and its
+    tokenizer, the generation settings and the row length."""
+    from mtp_train.backbone import resolve_autocast
+    from mtp_train.data.sources import tokenizer_identity
+
+    gen = {k: getattr(cfg, k) for k in ("max_new_tokens", "max_prompt_tokens", "do_sample",
+                                         "batch_size", "shard_size", "max_train_prompts",
+                                         "max_val_prompts", "seed", "keep_states")}
+    gen["autocast"] = resolve_autocast(device, cfg.autocast)
+    if cfg.engine != "hf":  # absent for HF generate, so the rows it made before keep their hash
+        gen["engine"] = cfg.engine
+    if cfg.do_sample:
+        gen.update(temperature=cfg.temperature, top_p=cfg.top_p)
+    return {"source_hash": source_manifest["config_hash"], "backbone": backbone_name,
+            "backbone_identity": backbone_identity,
+            "tokenizer": tokenizer_identity(tokenizer), "generation": gen, "max_length": max_length}
+
+
+def check_distilled_matches(cfg: Config, manifest: dict, backbone) -> None:
+    """The distilled rows were made by this backbone (its identity: weights, seed, converted file)
+    with these data.distill settings and row length; the compute dtype (autocast) may differ, as
+    between machines. Names the first setting that differs."""
+    want = distill_plan({"config_hash": manifest.get("source_hash")}, backbone.name, backbone.tokenizer,
+                        cfg.data.distill, cfg.data.max_length, backbone.device, backbone.identity)
+    where = layout.distilled_dir(cfg)
+    fix = "run `mtp-prep stage=all` with the same overrides first"
+    if manifest.get("backbone_identity") != want["backbone_identity"] or manifest.get("backbone") != want["backbone"]:
+        raise DataError(f"{where} was distilled by another backbone than this one ({manifest.get('backbone')}, "
+                        f"identity {manifest.get('backbone_identity')}); {fix}")
+    if manifest.get("tokenizer") != want["tokenizer"]:
+        raise DataError(f"{where} was distilled with another tokenizer; {fix}")
+    if manifest.get("max_length") != want["max_length"]:
+        raise DataError(f"data.max_length: {where} was distilled with {manifest.get('max_length')}, this run says "
+                        f"{want['max_length']}; {fix}")
+    made = dict(manifest.get("generation") or {})
+    for key in sorted(set(made) | set(want["generation"])):
+        if key != "autocast" and made.get(key) != want["generation"].get(key):
+            raise DataError(f"data.distill.{key}: {where} was distilled with {made.get(key)!r}, this run says "
+                            f"{want['generation'].get(key)!r}; {fix}")
+
+
+def check_prepared_is_current(cfg: Config, tokenizer, backbone=None) -> None:
     """The datasets mtp-train reads were prepared from this config's data settings: the labelled
-    dataset's hash matches them and the distilled one was made from that labelled dataset."""
+    dataset's hash matches them and the distilled one was made from that labelled dataset, and
+    (given the backbone) by this backbone with these data.distill settings."""
     check_labelled_is_current(cfg, tokenizer)
     distilled, labelled = layout.distilled_dir(cfg), layout.labelled_dir(cfg)
     if distilled in layout.data_dirs(cfg):
@@ -161,3 +206,5 @@ def check_prepared_is_current(cfg: Config, tokenizer) -> None:
         if m is None or m.get("source_hash") != source.get("config_hash"):
             raise DataError(f"{distilled} is missing or was distilled from other data than "
                             f"{labelled}; run `mtp-prep stage=all` with the same overrides first")
+        if backbone is not None:
+            check_distilled_matches(cfg, m, backbone)

@@ -37,15 +37,19 @@ MAX_REPORTED_LINES = 5
 class SourceStats:
     parsed: int = 0  # records decoded from the file
     dropped: Counter = field(default_factory=Counter)  # reason -> count
-    bad_lines: list[int] = field(default_factory=list)  # first line numbers of unparseable rows
+    bad_lines: list[int] = field(default_factory=list)  # first line numbers of dropped rows
+    lines: dict = field(default_factory=dict)  # reason -> its first line numbers
 
     def drop(self, reason: str, line: int | None = None) -> None:
         self.dropped[reason] += 1
         if line is not None and len(self.bad_lines) < MAX_REPORTED_LINES:
             self.bad_lines.append(line)
+        if line is not None and len(mine := self.lines.setdefault(reason, [])) < MAX_REPORTED_LINES:
+            mine.append(line)
 
     def as_dict(self) -> dict:
-        return {"parsed": self.parsed, "dropped": dict(self.dropped), "bad_lines": self.bad_lines}
+        return {"parsed": self.parsed, "dropped": dict(self.dropped), "bad_lines": self.bad_lines,
+                "lines": self.lines}
 
 
 # --- normalisation shared by all sources -----------------------------------------------------------
@@ -139,7 +143,7 @@ def iter_json_array(path: Path, stats: SourceStats) -> Iterator[tuple[int, objec
     """
     # bytes that are not UTF-8 become lone surrogates here, so the records holding them can be
     # dropped by line instead of trained on with U+FFFD in their text
-    text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
+    text = Path(path).read_text(encoding="utf-8-sig", errors="surrogateescape")  # a leading BOM is no data
     dec = json.JSONDecoder()
     n = len(text)
     pos = _skip_ws(text, 0)
@@ -249,7 +253,7 @@ def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
 def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterator[dict]:
     path = regular_file(path, "data.path", "one JSONL file (data.source=disk reads a dataset saved with "
                         "save_to_disk)")
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # a leading BOM is no data
         for lineno, line in enumerate(f, start=1):
             if NOT_UTF8.search(line):
                 stats.drop(NOT_UTF8_REASON, lineno)

@@ -173,7 +173,8 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     for kind in cfg.clp.kinds:
         key = fit_key(cfg, kind, manifest)
         old = read_json(out / kind / PREDICTOR_META)
-        if not cfg.force and old is not None and old.get("fit_hash") == key and (out / kind / PREDICTOR_FILE).is_file():
+        if not cfg.force and old is not None and old.get("fit_hash") == key and (out / kind / PREDICTOR_FILE).is_file() \
+                and intact(old, out / kind / PREDICTOR_FILE):
             log.info("%s: fitted on these labels with these settings already; skipping", kind)
             results[kind] = {**old["fit"], "skipped": True}
             continue
@@ -205,9 +206,33 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     return results
 
 
+def intact(meta: dict, weights: Path) -> bool:
+    """A fitted predictor's weights are still the ones fitted (else it is fitted again)."""
+    from mtp_train.clp import check_predictor_weights
+
+    try:
+        check_predictor_weights(meta, weights)
+        return True
+    except MtpError as e:
+        log.warning("%s; fitting again", e)
+        return False
+
+
+def sealed(meta: dict, where: Path) -> bool:
+    """A calibration still as mtp-clp wrote it (else it is calibrated again)."""
+    from mtp_train.clp import saved_threshold
+
+    try:
+        saved_threshold(meta, where)
+        return True
+    except MtpError as e:
+        log.warning("%s; calibrating again", e)
+        return False
+
+
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256, read_manifest, write_json_atomic
-    from mtp_train.clp import load_predictor
+    from mtp_train.clp import calibration_seal, load_predictor
     from mtp_train.evaluation.calibration import measure_decode, pick_threshold, sweep_thresholds
     from mtp_train.layout import PREDICTOR_META
 
@@ -225,7 +250,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
             raise ConfigError(f"{out / kind}: fitted on the labels of other heads than clp.train_run="
                               f"{cfg.clp.train_run}; rerun `mtp-clp stage=all` (label and fit) for these heads")
         key = calibration_key(cfg, meta, prompts)
-        if not cfg.force and meta.get("calibration_hash") == key:
+        if not cfg.force and meta.get("calibration_hash") == key and sealed(meta, out / kind / PREDICTOR_META):
             log.info("%s: calibrated for this predictor and these settings already (threshold %.2f); skipping",
                      kind, meta["threshold"])
             results[kind] = {"threshold": meta["threshold"], "skipped": True}
@@ -246,6 +271,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                     bounds={"max_repetition_increase": cfg.clp.max_repetition_increase,
                             "max_nll_increase": cfg.clp.max_nll_increase},
                     calibration={"greedy": greedy, "thresholds": rows, "n_prompts": len(prompts)})
+        meta["seal"] = calibration_seal(meta)
         write_json_atomic(out / kind / PREDICTOR_META, meta)
         results[kind] = {"threshold": meta["threshold"], "skipped": False}
         log.info("%s: threshold = %.2f%s", kind, meta["threshold"], "" if best else " (no threshold met the bounds)")

@@ -16,6 +16,23 @@ from mtp_train.errors import ConfigError, MtpError
 log = logging.getLogger(__name__)
 
 
+def check_held_out_split(cfg: Config, meta: dict) -> None:
+    """eval.prompt_source=validation decodes the labelled data's validation prompts: they are held
+    out only if that data is the split the heads trained on (heads.json records its hash; heads
+    from before that record are not checked). A re-split dataset would hand the heads prompts
+    they trained on."""
+    from mtp_train.artifacts import read_manifest
+    from mtp_train.layout import labelled_dir
+
+    trained_on = (meta.get("recipe") or {}).get("labelled_hash")
+    here = (read_manifest(labelled_dir(cfg)) or {}).get("config_hash")
+    if trained_on and here != trained_on:
+        raise ConfigError(f"eval.prompt_source: {labelled_dir(cfg)} is not the split these heads trained on "
+                          f"(prepared {str(here)[:12]}, the heads' {trained_on[:12]}: other data settings, or "
+                          "re-prepared since), so its validation prompts may be training prompts; prepare it "
+                          "with the heads' data settings or use eval.prompt_source=unseen")
+
+
 def select_prompts(cfg: Config, backbone) -> tuple[list[list[int]], int]:
     """The prompts to decode and how many were skipped as too long for eval.max_prompt_tokens or
     the backbone's context (prompt + max_new_tokens)."""
@@ -150,14 +167,19 @@ def adapted_backbone(backbone, prompts: list[list[int]], cfg: Config) -> dict | 
     return {"adapter": backbone.adapter, "merged_layers": merged, "drift": drift}
 
 
-def load_tree_stats(cfg: Config):
+def load_tree_stats(cfg: Config, k: int | None = None):
     """The heads' rank statistics (tree_stats.json, written by mtp-train), which static trees and the
-    adaptive policies grow from; required by mode tree."""
+    adaptive policies grow from; required by mode tree. Statistics of another depth than the heads'
+    `k` are refused (a file copied from other heads would grow wrong trees)."""
     from mtp_train.evaluation.modes import MODES
     from mtp_train.layout import TREE_STATS
     from mtp_train.trees import RankStats
 
     stats = RankStats.load(Path(cfg.eval.train_run) / TREE_STATS) if cfg.eval.train_run else None
+    if stats is not None and k is not None and stats.k != k:
+        raise MtpError(f"{Path(cfg.eval.train_run) / TREE_STATS}: rank statistics of k={stats.k} heads, but these "
+                       f"heads have k={k}; it belongs to other heads: run the same mtp-train command on "
+                       "this run directory to record its own (delete the file first)")
     needing = [m for m in cfg.eval.modes if MODES[m].tree_stats]
     if stats is None and needing:
         raise ConfigError(f"eval.modes: mode {needing[0]} grows its tree from {Path(cfg.eval.train_run) / TREE_STATS}, "
@@ -216,7 +238,7 @@ def finished_eval(cfg: Config, out_dir: Path, key: str) -> dict | None:
     from mtp_train.artifacts import read_json
 
     report = read_json(out_dir / layout.EVAL_REPORT)
-    if cfg.force or report is None or report.get("config_hash") != key:
+    if cfg.force or not isinstance(report, dict) or report.get("config_hash") != key:
         return None
     return report if (out_dir / layout.OUTPUTS).is_file() else None
 
@@ -272,7 +294,9 @@ def _run_eval(cfg: Config) -> dict:
     backbone = load_backbone(cfg.backbone)
     heads, meta = (load_heads(cfg.eval.train_run, backbone, cfg.backbone.allow_foreign_heads) if cfg.eval.train_run
                    else (None, {}))
-    stats = load_tree_stats(cfg)
+    stats = load_tree_stats(cfg, heads.k if heads is not None else None)
+    if heads is not None and not cfg.eval.prompts and cfg.eval.prompt_source == "validation":
+        check_held_out_split(cfg, meta)
     dtype = resolve_dtype(cfg.eval.dtype)
     if dtype != backbone.model.dtype:
         backbone.model.to(dtype)
@@ -306,6 +330,8 @@ def _run_eval(cfg: Config) -> dict:
         report["sized_to_deadline"] = sized
     report["predictors"] = {m: {"parameters": p.parameters, "threshold": p.threshold, "calibrated": p.calibrated}
                             for m, p in policies.items()}
+    # which heads these figures belong to: mtp-report refuses to put them beside other heads
+    report["heads_sha256"] = meta.get("weights_sha256") if heads is not None else None
     report.update(config_hash=key, backbone=backbone.name, heads=cfg.eval.train_run, skipped_prompts=skipped,
                   prompt_source="file" if cfg.eval.prompts else cfg.eval.prompt_source,
                   max_new_tokens=cfg.eval.max_new_tokens, elapsed_s=round(time.time() - t0, 1))

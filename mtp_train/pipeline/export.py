@@ -39,6 +39,32 @@ def checkpoint_state(path: Path) -> dict:
     return ckpt["state_dict"]
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a Lightning checkpoint file was saved at (None for a ZeRO directory)."""
+    from mtp_train.distributed import load_weights_only
+
+    if not path.is_file():
+        return None
+    ckpt = load_weights_only(path, mmap=True)
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    return int(step) if isinstance(step, int) else None
+
+
+def check_checkpoint_backbone(checkpoint: Path, backbone, cfg) -> None:
+    """A checkpoint from another run directory (--checkpoint) whose run trained on other backbone
+    weights is refused as mtp-eval refuses such heads (its run_meta.json records the weights'
+    fingerprint; runs from before that record are not checked)."""
+    from mtp_train.artifacts import read_json
+    from mtp_train.errors import ConfigError
+
+    run_meta = read_json(checkpoint.resolve().parent.parent / layout.RUN_META) or {}
+    theirs = run_meta.get("fingerprint")
+    if theirs and theirs != backbone.fingerprint() and not cfg.backbone.allow_foreign_heads:
+        raise ConfigError(f"{checkpoint}: trained on another backbone (weights fingerprint {theirs}, this run's "
+                          f"backbone has {backbone.fingerprint()}); backbone.allow_foreign_heads=true exports it "
+                          "anyway")
+
+
 def recipe_file(run_dir: Path) -> Path:
     """Where a run's config is: <run>/run_config.yaml, which mtp-train writes under the run
     directory's lock (not Hydra's <run>/.hydra/config.yaml, which a command refused on the same
@@ -58,7 +84,12 @@ def load_recipe(run_dir: Path):
     recipe = recipe_file(run_dir)
     if not recipe.is_file():
         raise MtpError(f"{recipe}: missing; export needs the config the run was started with")
-    raw = OmegaConf.load(recipe)
+    import yaml
+
+    try:
+        raw = OmegaConf.load(recipe)
+    except yaml.YAMLError as e:  # a planted tag is refused by the loader, never constructed
+        raise MtpError(f"{recipe}: not a config mtp-train wrote ({str(e).splitlines()[0]})") from None
     raw.paths.output_dir = str(run_dir)  # saved as ${hydra:...}, which resolves only inside Hydra
     for section in ("eval", "clp"):  # other commands' settings: no part of the recipe export reads
         raw.pop(section, None)
@@ -113,8 +144,15 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
         load_adapters_from(module_state, checkpoint, backbone)
     from mtp_train.artifacts import read_json
 
+    check_checkpoint_backbone(checkpoint, backbone, cfg)
     own = checkpoint.resolve() == (layout.last_checkpoint(run_dir)).resolve()
     meta = (read_json(run_dir / layout.HEADS_META) or {}) if own else {}
+    step, trained = checkpoint_step(checkpoint), (meta.get("recipe") or {}).get("steps")
+    if own and step is not None and trained is not None and step != trained:
+        # heads.json's figures and tree statistics describe the weights after `trained` steps, not these
+        log.warning("%s is at step %d, the heads the run wrote are from step %d: its validation figures and "
+                    "tree statistics are not carried over", checkpoint, step, trained)
+        own, meta = False, {}
     old = meta.get("metrics") or {}
     metrics = {**{k: v for k, v in old.items() if k != "exported_from"}, "exported_from": str(checkpoint)}
     if not own:  # the run's validation figures and tree statistics describe its own last weights

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 METRIC_ONLY = ("num_workers", "use_cache", "eval_after", "sampled_tau_temperatures")
 # how long training runs: like trainer.max_steps, part of `finished`, not of the recipe
 LENGTH_ONLY = ("time_budget_min", "min_steps")
+# trainer keys that change what the weights become, with conf/trainer/default.yaml's values: one set
+# to anything else is part of the recipe (a run with other clipping or accumulation is another run;
+# the defaults stay out, so recipes from before this rule keep their hashes)
+TRAINER_RECIPE_KEYS = {"accumulate_grad_batches": 1, "gradient_clip_val": 1.0, "gradient_clip_algorithm": None,
+                       "limit_train_batches": 1.0, "overfit_batches": 0.0, "devices": 1, "num_nodes": 1}
 
 
 def recipe_keys(cfg: Config) -> tuple[str, str]:
@@ -42,11 +47,12 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
     train = {k: v for k, v in structured(cfg.train).items() if k not in METRIC_ONLY + LENGTH_ONLY}
     data = [(read_manifest(d) or {}).get("config_hash") for d in data_dirs(cfg)]
     lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
+    t = cfg.trainer
+    trainer = {k: t.get(k, v) for k, v in TRAINER_RECIPE_KEYS.items() if t.get(k, v) != v}
     recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
                           "max_length": layout.max_length(cfg),
                           "heads": structured(cfg.heads), "loss": structured(cfg.loss), "train": train,
-                          "seed": cfg.seed})
-    t = cfg.trainer
+                          "seed": cfg.seed, **({"trainer": trainer} if trainer else {})})
     # a run to a deadline is finished whatever the deadline's time (make demo run again skips it)
     budget = {k: getattr(cfg.train, k) for k in LENGTH_ONLY} | {"deadline": cfg.budget.deadline is not None}
     finished = config_hash({"recipe": recipe, "max_steps": t.get("max_steps"),
@@ -99,7 +105,8 @@ def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: 
 
     meta = {"backbone": backbone.name, "hidden_size": backbone.hidden_size,
             "vocab_size": backbone.vocab_size, "head_type": cfg.heads.type, "k": cfg.heads.k,
-            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}, "recipe": recipe}
+            "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}, "recipe": recipe,
+            "fingerprint": backbone.fingerprint()}  # export --checkpoint checks a foreign run's weights
     old = read_json(run_dir / layout.RUN_META)
     if resuming and old is not None:
         for key in ("backbone", "hidden_size", "vocab_size", "head_type", "k", "heads"):
@@ -158,14 +165,19 @@ class RunDir:
     finished: str
     finished_meta: dict | None  # heads.json of heads already trained with this recipe and length
     has_tree_stats: bool  # those heads have their rank statistics (else one validation records them)
+    # what the directory holds is for another recipe (or force=true): moved aside by
+    # apply_supersede once every check of the new run has passed (None: nothing to move)
+    supersede: str | None = None
+    reason: str = ""
 
 
 def open_run_dir(cfg: Config, run_dir: Path) -> RunDir:
     """What `run_dir` holds for this config: heads already finished with this recipe and length
     (skipped), checkpoints of the same recipe (resumed by the caller), or checkpoints and heads of
-    another recipe or `force=true`, which are moved to superseded/<old recipe>/ first."""
+    another recipe or `force=true`, which `apply_supersede` moves to superseded/<old recipe>/ once
+    the new run's own checks have passed (a command refused for its data or backbone leaves a
+    finished run where it was). Nothing is moved here."""
     from mtp_train.artifacts import read_json
-    from mtp_train.runlock import is_rank_zero
 
     recipe, finished = recipe_keys(cfg)
     done = None if cfg.force else finished_run(run_dir, finished)
@@ -180,11 +192,38 @@ def open_run_dir(cfg: Config, run_dir: Path) -> RunDir:
         return state
     old_recipe = (read_json(run_dir / layout.RUN_META) or {}).get("recipe")
     if (cfg.force or (old_recipe and old_recipe != recipe)) and any(
-            (run_dir / n).exists() for n in (layout.CHECKPOINTS, HEADS_FILE)) and is_rank_zero():
-        where = supersede(run_dir, old_recipe or "unknown")
-        log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir,
-                    "force=true" if cfg.force else "the recipe changed", where)
+            (run_dir / n).exists() for n in (layout.CHECKPOINTS, HEADS_FILE)):
+        state.supersede = old_recipe or "unknown"
+        state.reason = "force=true" if cfg.force else "the recipe changed"
     return state
+
+
+def apply_supersede(run_dir: Path, state: RunDir) -> None:
+    """Move what the directory holds for another recipe aside (rank 0), just before training."""
+    from mtp_train.runlock import is_rank_zero
+
+    if state.supersede is not None and is_rank_zero():
+        where = supersede(run_dir, state.supersede)
+        log.warning("%s: %s; its checkpoints and heads moved to %s, training afresh", run_dir, state.reason, where)
+        state.supersede = None
+
+
+def check_checkpoint_shapes(last: Path, heads) -> None:
+    """The heads' parameters in a checkpoint file have these heads' names and shapes (a directory
+    without run_meta.json says nothing of what its checkpoint was made for); a ZeRO directory is
+    left to DeepSpeed."""
+    from mtp_train.distributed import heads_from_module_state, load_weights_only
+
+    if not last.is_file():
+        return
+    ckpt = load_weights_only(last, mmap=True)
+    state = heads_from_module_state(ckpt.get("state_dict") or {}) if isinstance(ckpt, dict) else {}
+    want = {n: tuple(t.shape) for n, t in heads.state_dict().items()}
+    got = {n: tuple(t.shape) for n, t in state.items() if hasattr(t, "shape")}
+    if state and got != want:
+        differ = sorted(n for n in set(want) | set(got) if want.get(n) != got.get(n))
+        raise ConfigError(f"{last} holds other heads than these (parameters {differ[:3]} differ in name or "
+                          "shape); use a new hydra.run.dir, or the heads= settings it was made with")
 
 
 def check_resume(run_dir: Path, last: Path, heads, backbone, cfg: Config, recipe: str, write: bool) -> bool:
@@ -195,6 +234,7 @@ def check_resume(run_dir: Path, last: Path, heads, backbone, cfg: Config, recipe
     check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=write, recipe=recipe)
     if resuming:
         step = check_readable(last, run_dir)
+        check_checkpoint_shapes(last, heads)
         max_steps = cfg.trainer.get("max_steps") or -1
         if step is not None and max_steps > 0 and step > max_steps:
             raise ConfigError(f"trainer.max_steps: {last} is already at step {step}, past the {max_steps} "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -114,7 +115,8 @@ def write_for_engine(heads, backbone, backbone_cfg, fmt: str, out: Path, source:
     else:
         config, state = medusa_files(heads, backbone)
     write_export(tmp, config, state)
-    notes = backbone_notes(check_dir, backbone)
+    # read where it is written now, named where it will be (not the temporary directory)
+    notes = [n.replace(str(tmp), str(out.resolve())) for n in backbone_notes(check_dir, backbone)]
     (tmp / SERVING_FILE).write_text(json.dumps({
         "format": fmt, "heads": str(Path(source).resolve()) if source else None, "k": heads.k,
         "draft_size": heads.draft_size, "backbone": str(serve_dir), "backbone_fingerprint": backbone.fingerprint(),
@@ -153,6 +155,9 @@ def check_destination(out: Path, run_dir: Path | None) -> None:
     empty directory, or an earlier export (it holds SERVING_FILE); never the run itself, nor a
     directory that holds the run, nor a non-empty directory of someone else's, nor over a file."""
     out = Path(out)
+    if out.is_symlink():  # the export is replaced whole: a link would be replaced, not what it names
+        raise MtpError(f"--out {out}: a symbolic link (to {os.readlink(out)}); an export replaces its directory "
+                       "whole, so name the real directory (or a new one)")
     if out.exists() and not out.is_dir():
         raise MtpError(f"--out {out}: a file is there; name a directory for the export (it is never "
                        "written over a file)")

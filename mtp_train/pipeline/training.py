@@ -18,7 +18,12 @@ from mtp_train.data.prepared import open_cache
 from mtp_train.errors import ConfigError
 from mtp_train.instantiate import instantiate
 from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
-from mtp_train.pipeline.rundir import check_resume, open_run_dir, resume_loads_weights_only
+from mtp_train.pipeline.rundir import (
+    apply_supersede,
+    check_resume,
+    open_run_dir,
+    resume_loads_weights_only,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,12 @@ def draft_vocab_for(cfg: Config, backbone):
     log.info("draft vocabulary: %d of %d tokens, covering %.1f%% of the training targets",
              len(ids), backbone.vocab_size, 100 * covered)
     return ids
+
+
+def labelled_hash(cfg: Config) -> str | None:
+    from mtp_train.artifacts import read_manifest
+
+    return (read_manifest(layout.labelled_dir(cfg)) or {}).get("config_hash")
 
 
 def make_loggers(cfg) -> list:
@@ -288,7 +299,7 @@ def _run_train(cfg: Config) -> dict:
     backbone = load_backbone(cfg.backbone)
     from mtp_train.data.prepared import check_prepared_is_current
 
-    check_prepared_is_current(cfg, backbone.tokenizer)  # not rows prepared from other data settings
+    check_prepared_is_current(cfg, backbone.tokenizer, backbone)  # not rows prepared from other data settings
     max_length = layout.max_length(cfg)  # heads.k fits it: checked with the config (check_k_fits)
     draft_ids = draft_vocab_for(cfg, backbone)
     torch.manual_seed(cfg.seed)  # the heads' init must not depend on what preparation drew before
@@ -314,6 +325,9 @@ def _run_train(cfg: Config) -> dict:
                        max_length, cfg.train.num_workers, cfg.seed, cache=cache,
                        data_fraction=cfg.train.data_fraction, k=cfg.heads.k,
                        length_window=cfg.train.length_window, vocab_size=backbone.vocab_size)
+    if state.supersede is not None:  # every check of this run passed (backbone, data, heads, cache, rows)
+        dm.setup()
+        apply_supersede(run_dir, state)
     if cfg.heads.init == "final_state" and done is None and not layout.last_checkpoint(run_dir).exists():
         fit_fc_to_final_state(heads, dm, backbone)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train, cfg.backbone.lora)
@@ -338,12 +352,17 @@ def _run_train(cfg: Config) -> dict:
         write_text_atomic(run_dir / layout.RUN_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     with resume_loads_weights_only(last if resuming else None) as extra:
         trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
+    # last.ckpt holds the final weights, whatever step the last periodic save was at (an export
+    # from it must give the heads written below, not older ones)
+    trainer.save_checkpoint(str(layout.last_checkpoint(run_dir)))
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     with gathered(module, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
             path = save_heads(run_dir, heads, backbone, cfg, metrics, trainer.world_size,
                               elapsed_s=round(time.time() - t0, 1),
                               recipe={"recipe": recipe, "finished": finished,
+                                      # the split validation prompts come from (mtp-eval checks it)
+                                      "labelled_hash": labelled_hash(cfg),
                                       "train_rows": len(dm.splits["train"]), "train_tokens": dm.train_tokens,
                                       "cache": str(cache.path) if cache is not None else None,
                                       "steps": trainer.global_step,
