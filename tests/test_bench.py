@@ -48,15 +48,20 @@ def test_log_fit_recovers_a_known_line(taus, slope):
         assert fit["tokens_for_target"] is None
 
 
+def _tiny_recipes(tmp_path) -> list[str]:
+    """bench/recipes.py's Hydra overrides for the tiny backbone."""
+    return [f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "heads.k=2",
+            "trainer.enable_progress_bar=false", "data.distill.max_train_prompts=16",
+            "data.distill.max_val_prompts=4"]
+
+
 @pytest.mark.integration
 def test_recipe_comparison_trains_each_recipe_and_ranks_them(tmp_path, monkeypatch):
     import recipes
 
     monkeypatch.chdir(tmp_path)
     args = ["--out", str(tmp_path / "rec"), "--steps", "2", "--only", "kl_random,medusa_kl_lr3e-3",
-            f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "heads.k=2",
-            "trainer.enable_progress_bar=false", "data.distill.max_train_prompts=16",
-            "data.distill.max_val_prompts=4"]
+            *_tiny_recipes(tmp_path)]
     assert recipes.main(args) == 0
     rows = json.loads((tmp_path / "rec" / "recipes.json").read_text())
     assert {r["recipe"] for r in rows} == {"kl_random", "medusa_kl_lr3e-3"}
@@ -74,9 +79,7 @@ def test_recipe_comparison_at_equal_cpu_minutes_gives_each_recipe_the_same_budge
 
     monkeypatch.chdir(tmp_path)
     args = ["--out", str(tmp_path / "rec"), "--minutes", "0.05", "--steps", "300", "--only", "demo,noise0.1",
-            f"paths.root_dir={tmp_path}", "backbone=tiny", "logger=none", "heads.k=2",
-            "trainer.enable_progress_bar=false", "data.distill.max_train_prompts=16",
-            "data.distill.max_val_prompts=4"]
+            *_tiny_recipes(tmp_path)]
     assert recipes.main(args) == 0
     rows = json.loads((tmp_path / "rec" / "recipes.json").read_text())
     assert {r["recipe"] for r in rows} == {"demo", "noise0.1"}

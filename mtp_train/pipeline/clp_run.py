@@ -206,28 +206,27 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     return results
 
 
-def intact(meta: dict, weights: Path) -> bool:
-    """A fitted predictor's weights are still the ones fitted (else it is fitted again)."""
-    from mtp_train.clp import check_predictor_weights
-
+def passes(check, then: str) -> bool:
+    """Whether a record is still as mtp-clp wrote it (`check` raises MtpError when not: then the
+    step is done again, with a warning saying why)."""
     try:
-        check_predictor_weights(meta, weights)
+        check()
         return True
     except MtpError as e:
-        log.warning("%s; fitting again", e)
+        log.warning("%s; %s again", e, then)
         return False
+
+
+def intact(meta: dict, weights: Path) -> bool:
+    from mtp_train.clp import check_predictor_weights
+
+    return passes(lambda: check_predictor_weights(meta, weights), "fitting")
 
 
 def sealed(meta: dict, where: Path) -> bool:
-    """A calibration still as mtp-clp wrote it (else it is calibrated again)."""
     from mtp_train.clp import saved_threshold
 
-    try:
-        saved_threshold(meta, where)
-        return True
-    except MtpError as e:
-        log.warning("%s; calibrating again", e)
-        return False
+    return passes(lambda: saved_threshold(meta, where), "calibrating")
 
 
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
