@@ -231,7 +231,9 @@ def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(type
     assert decodes_after_train(cfg) == {"clp": 3 * 3, "eval": 20 * 2 * (4 + 3) + 4}
     p = predict_after_train(cfg, 0.1)
     tokens = cfg.eval.max_new_tokens * (9 + 284)
-    assert p["total_s"] == pytest.approx(tokens * 0.1 * 1.3 + 2 * 25 * 2, abs=0.2)
+    from mtp_train.pipeline.budget import DECODE_OVERHEAD, STAGE_FIXED_S
+
+    assert p["total_s"] == pytest.approx(tokens * 0.1 * DECODE_OVERHEAD + 2 * STAGE_FIXED_S * 2, abs=0.2)
     assert decodes_after_train(typed_cfg(*FAST)) == {}
 
 
