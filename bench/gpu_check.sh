@@ -16,13 +16,16 @@ BIN=${BIN:-$( [ -x .venv/bin/mtp-train ] && echo .venv/bin || dirname "$(command
 OUT=${OUT:-runs/gpu_check}
 STEPS=${STEPS:-300}
 EXP=${EXP:-experiment=smollm2_demo}
+# the demo's recipe times float32 against bf16 on a CPU (trainer.precision=auto); on the GPU both
+# trainers run the bf16-mixed their group files set
+GPU_PRECISION=trainer.precision=bf16-mixed
 mkdir -p "$OUT"
 
 commands=(
   "prep|$BIN/mtp-prep $EXP stage=all"
   "cache|$BIN/mtp-prep $EXP stage=cache"
-  "train_gpu|$BIN/mtp-train $EXP trainer=gpu trainer.max_steps=$STEPS trainer.val_check_interval=$STEPS hydra.run.dir=$OUT/gpu"
-  "train_deepspeed2|$BIN/mtp-train $EXP trainer=deepspeed_stage_2 trainer.devices=1 trainer.max_steps=$STEPS trainer.val_check_interval=$STEPS hydra.run.dir=$OUT/ds2"
+  "train_gpu|$BIN/mtp-train $EXP trainer=gpu $GPU_PRECISION trainer.max_steps=$STEPS trainer.val_check_interval=$STEPS hydra.run.dir=$OUT/gpu"
+  "train_deepspeed2|$BIN/mtp-train $EXP trainer=deepspeed_stage_2 $GPU_PRECISION trainer.devices=1 trainer.max_steps=$STEPS trainer.val_check_interval=$STEPS hydra.run.dir=$OUT/ds2"
   "export|$BIN/mtp-export-heads $OUT/ds2"
   "eval|$BIN/mtp-eval $EXP eval.train_run=$OUT/ds2 eval.modes=[verify,tree] eval.n_prompts=20 eval.rounds=1 hydra.run.dir=$OUT/eval"
 )
