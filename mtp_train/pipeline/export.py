@@ -14,6 +14,17 @@ log = logging.getLogger(__name__)
 
 def checkpoint_state(path: Path) -> dict:
     """The module state dict of a checkpoint: a ZeRO directory or a Lightning checkpoint file."""
+    return load_checkpoint(path)[0]
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a Lightning checkpoint file was saved at (None for a ZeRO directory)."""
+    return load_checkpoint(path)[1]
+
+
+def load_checkpoint(path: Path) -> tuple[dict, int | None]:
+    """(module state dict, global step) of a checkpoint, read once; the step is None for a ZeRO
+    directory."""
     from mtp_train.distributed import (
         CheckpointRefused,
         CheckpointUnreadable,
@@ -22,7 +33,7 @@ def checkpoint_state(path: Path) -> dict:
     )
 
     if path.is_dir():
-        return zero_state_dict(path)
+        return zero_state_dict(path), None
     if not path.is_file():
         raise MtpError(f"{path}: no checkpoint here")
     try:  # tensors and plain containers only: never unpickle arbitrary objects
@@ -36,18 +47,8 @@ def checkpoint_state(path: Path) -> dict:
         raise MtpError(f"{path}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a dict)")
     if "state_dict" not in ckpt:
         raise MtpError(f"{path}: not a Lightning checkpoint (no state_dict)")
-    return ckpt["state_dict"]
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The optimizer step a Lightning checkpoint file was saved at (None for a ZeRO directory)."""
-    from mtp_train.distributed import load_weights_only
-
-    if not path.is_file():
-        return None
-    ckpt = load_weights_only(path, mmap=True)
-    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
-    return int(step) if isinstance(step, int) else None
+    step = ckpt.get("global_step")
+    return ckpt["state_dict"], int(step) if isinstance(step, int) else None
 
 
 def check_checkpoint_backbone(checkpoint: Path, backbone, cfg) -> None:
@@ -121,7 +122,7 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     recipe = recipe_file(run_dir)
     cfg = load_recipe(run_dir)
     checkpoint = Path(checkpoint) if checkpoint else layout.last_checkpoint(run_dir)
-    module_state = checkpoint_state(checkpoint)
+    module_state, step = load_checkpoint(checkpoint)
     state = heads_from_module_state(module_state)
     if not state:
         raise MtpError(f"{checkpoint}: holds no heads parameters")
@@ -147,7 +148,7 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
     check_checkpoint_backbone(checkpoint, backbone, cfg)
     own = checkpoint.resolve() == (layout.last_checkpoint(run_dir)).resolve()
     meta = (read_json(run_dir / layout.HEADS_META) or {}) if own else {}
-    step, trained = checkpoint_step(checkpoint), (meta.get("recipe") or {}).get("steps")
+    trained = (meta.get("recipe") or {}).get("steps")
     if own and step is not None and trained is not None and step != trained:
         # heads.json's figures and tree statistics describe the weights after `trained` steps, not these
         log.warning("%s is at step %d, the heads the run wrote are from step %d: its validation figures and "

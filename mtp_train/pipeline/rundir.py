@@ -138,10 +138,10 @@ def resume_loads_weights_only(last: Path | None):
         yield extra
 
 
-def check_readable(last: Path, run_dir: Path) -> int | None:
+def check_readable(last: Path, run_dir: Path) -> dict | None:
     """A checkpoint cut short (a kill while it was being saved) is refused with the way out, before
     Lightning fails on it deep inside; a ZeRO directory is left to DeepSpeed. Returns the
-    checkpoint's global step (None for a ZeRO directory)."""
+    checkpoint, memory-mapped (None for a ZeRO directory)."""
     from mtp_train.distributed import CheckpointRefused, CheckpointUnreadable, load_weights_only
 
     if not last.is_file():
@@ -155,8 +155,7 @@ def check_readable(last: Path, run_dir: Path) -> int | None:
         raise MtpError(f"{last}: cannot be read ({e.detail}); it was probably cut off while being saved. "
                        f"Rerun with force=true to train afresh (what {run_dir} holds now moves to "
                        f"{run_dir / layout.SUPERSEDED})") from None
-    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
-    return int(step) if isinstance(step, int) else None
+    return ckpt if isinstance(ckpt, dict) else {}
 
 
 @dataclass
@@ -208,16 +207,12 @@ def apply_supersede(run_dir: Path, state: RunDir) -> None:
         state.supersede = None
 
 
-def check_checkpoint_shapes(last: Path, heads) -> None:
-    """The heads' parameters in a checkpoint file have these heads' names and shapes (a directory
-    without run_meta.json says nothing of what its checkpoint was made for); a ZeRO directory is
-    left to DeepSpeed."""
-    from mtp_train.distributed import heads_from_module_state, load_weights_only
+def check_checkpoint_shapes(last: Path, ckpt: dict, heads) -> None:
+    """The heads' parameters in a checkpoint (`check_readable`'s) have these heads' names and shapes
+    (a directory without run_meta.json says nothing of what its checkpoint was made for)."""
+    from mtp_train.distributed import heads_from_module_state
 
-    if not last.is_file():
-        return
-    ckpt = load_weights_only(last, mmap=True)
-    state = heads_from_module_state(ckpt.get("state_dict") or {}) if isinstance(ckpt, dict) else {}
+    state = heads_from_module_state(ckpt.get("state_dict") or {})
     want = {n: tuple(t.shape) for n, t in heads.state_dict().items()}
     got = {n: tuple(t.shape) for n, t in state.items() if hasattr(t, "shape")}
     if state and got != want:
@@ -233,8 +228,11 @@ def check_resume(run_dir: Path, last: Path, heads, backbone, cfg: Config, recipe
     resuming = last.exists()
     check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=write, recipe=recipe)
     if resuming:
-        step = check_readable(last, run_dir)
-        check_checkpoint_shapes(last, heads)
+        ckpt = check_readable(last, run_dir)
+        step = None
+        if ckpt is not None:  # a file (a ZeRO directory is left to DeepSpeed)
+            check_checkpoint_shapes(last, ckpt, heads)
+            step = ckpt.get("global_step") if isinstance(ckpt.get("global_step"), int) else None
         max_steps = cfg.trainer.get("max_steps") or -1
         if step is not None and max_steps > 0 and step > max_steps:
             raise ConfigError(f"trainer.max_steps: {last} is already at step {step}, past the {max_steps} "

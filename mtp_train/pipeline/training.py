@@ -33,10 +33,11 @@ def draft_vocab_for(cfg: Config, backbone):
     of turn), as sorted token ids; None when the heads score the whole vocabulary (N null, or at
     least the backbone's vocabulary size: the setting is a cap)."""
     n = cfg.heads.draft_vocab
-    if n is not None and n >= backbone.vocab_size:
+    if n is None:
+        return None
+    if n >= backbone.vocab_size:
         log.warning("heads.draft_vocab=%d is not below the backbone's vocabulary (%d tokens): the heads score "
                     "the whole vocabulary", n, backbone.vocab_size)
-    if n is None or n >= backbone.vocab_size:
         return None
     from mtp_train.data.prepared import load_splits
     from mtp_train.heads.vocab import label_token_counts, select_draft_vocab
@@ -234,7 +235,7 @@ def time_budget(cfg: Config, backbone, dm, resuming: bool):
     if cap < t.min_steps:
         raise ConfigError(f"train.min_steps: {t.min_steps} is above trainer.max_steps={cap}, the cap on a "
                           "time budget's steps")
-    record = {**record, "resumed": resuming}
+    record["resumed"] = resuming
     return TimeBudget(seconds, t.min_steps, cap, cfg.trainer.get("val_check_interval"), relative=relative), record
 
 
@@ -259,6 +260,15 @@ def resolve_precision(cfg: Config, backbone, heads, dm) -> tuple[str, dict]:
     if len(batches) < 2:
         return "32-true", {"why": "too few training batches to time"}
     return choose_precision(backbone, heads, cfg.loss, cfg.train, batches)
+
+
+def trained_precision(cfg: Config, meta: dict) -> str:
+    """The precision finished heads were trained in (what trainer.precision=auto chose, as heads.json
+    records it; float32 when it does not), for the validation a finished run still runs."""
+    p = str(cfg.trainer.get("precision"))
+    if p != "auto":
+        return p
+    return ((meta.get("recipe") or {}).get("precision") or {}).get("used") or "32-true"
 
 
 def budget_trainer_kwargs(cfg: Config, budget, resuming: bool) -> dict:
@@ -334,14 +344,19 @@ def _run_train(cfg: Config) -> dict:
     ckpt_dir = run_dir / layout.CHECKPOINTS
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
-    budget, budget_record = time_budget(cfg, backbone, dm, resuming=layout.last_checkpoint(run_dir).exists())
+    had_checkpoint = layout.last_checkpoint(run_dir).exists()
+    if done is None:  # a finished run only validates once more: nothing to budget or time
+        budget, budget_record = time_budget(cfg, backbone, dm, resuming=had_checkpoint)
+        precision, precision_record = resolve_precision(cfg, backbone, heads, dm)
+    else:
+        budget, budget_record = None, {}
+        precision, precision_record = trained_precision(cfg, done), {}
     loggers = make_loggers(cfg)
     for lg in loggers:  # the whole resolved config, so every run records its recipe
         lg.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    precision, precision_record = resolve_precision(cfg, backbone, heads, dm)
     trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=[ckpt] + ([budget] if budget else []),
-                          **trainer_plugins(cfg.trainer), **budget_trainer_kwargs(cfg, budget, budget_record.get("resumed", False)),
-                          **({"precision": precision} if precision_record else {}))
+                          **trainer_plugins(cfg.trainer), **budget_trainer_kwargs(cfg, budget, had_checkpoint),
+                          **({"precision": precision} if precision != str(cfg.trainer.get("precision")) else {}))
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
