@@ -130,6 +130,10 @@ class HeadsConfig:
     aux_layers: list[int] | None = None
     # eagle3: the residual around attention is hidden_norm(h) instead of h
     norm_before_residual: bool = False
+    # eagle3: start from a drafter saved by speculators (its trainer's checkpoint folder, or an
+    # export: config.json + model.safetensors) instead of heads.init; trainer.max_steps=0 only
+    # validates and writes it as this run's heads (for mtp-eval, mtp-clp, mtp-serve-check)
+    from_speculators: str | None = None
 
     def __post_init__(self) -> None:
         check_choice(self.type, tuple(FAMILIES), "heads.type")
@@ -149,6 +153,8 @@ class HeadsConfig:
             check_choice(value, tuple(dict.fromkeys(known)), key)
             check(value in accepted, key, f"{value!r} is not for {self.type} heads ({fam.what}); they "
                                            f"take {' or '.join(accepted)}")
+        check(self.from_speculators is None or self.type == "eagle3", "heads.from_speculators",
+              f"reads EAGLE-3 drafters; these heads are {self.type} (set heads=eagle3)")
         check(self.aux_layers is None or fam.reads_aux, "heads.aux_layers",
                f"names backbone layers for heads that read them besides the final state "
                f"({', '.join(f.name for f in FAMILIES.values() if f.reads_aux)}); leave it null for {self.type}")

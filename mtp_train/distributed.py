@@ -36,8 +36,9 @@ def strategy_name(strategy: Any) -> str:
 
 
 def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = None,
-                  multirun: bool = False) -> None:
-    """Refuse a trainer config this machine cannot run, naming the key, before Lightning starts."""
+                  multirun: bool = False, heads_given: bool = False) -> None:
+    """Refuse a trainer config this machine cannot run, naming the key, before Lightning starts.
+    `heads_given` (heads.from_speculators): trainer.max_steps=0 is allowed, the heads being trained."""
     if gpus is None:
         import torch
 
@@ -52,7 +53,7 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
     if vci is not None and vci <= 0:
         raise ConfigError(f"trainer.val_check_interval: {vci}; give a positive number of steps (or a "
                           "fraction of an epoch)")
-    if steps is not None and (steps == 0 or steps < -1):
+    if steps is not None and ((steps == 0 and not heads_given) or steps < -1):
         raise ConfigError(f"trainer.max_steps: {steps} trains nothing (and would write untrained heads); "
                           "give a positive number, or -1 to let trainer.max_epochs decide")
     if epochs is not None and epochs == 0:

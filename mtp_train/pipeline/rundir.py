@@ -49,9 +49,15 @@ def recipe_keys(cfg: Config) -> tuple[str, str]:
     lora = structured(cfg.backbone.lora) if cfg.backbone.lora.enabled else None
     t = cfg.trainer
     trainer = {k: t.get(k, v) for k, v in TRAINER_RECIPE_KEYS.items() if t.get(k, v) != v}
+    heads = structured(cfg.heads)
+    if cfg.heads.from_speculators:  # the drafter's weights, not only where they are
+        from mtp_train.artifacts import file_sha256
+
+        f = Path(cfg.heads.from_speculators) / "model.safetensors"
+        heads["from_speculators"] = [heads["from_speculators"], file_sha256(f) if f.is_file() else None]
     recipe = config_hash({"backbone": {**backbone_identity(cfg.backbone), "lora": lora}, "data": data,
                           "max_length": layout.max_length(cfg),
-                          "heads": structured(cfg.heads), "loss": structured(cfg.loss), "train": train,
+                          "heads": heads, "loss": structured(cfg.loss), "train": train,
                           "seed": cfg.seed, **({"trainer": trainer} if trainer else {})})
     # a run to a deadline is finished whatever the deadline's time (make demo run again skips it)
     budget = {k: getattr(cfg.train, k) for k in LENGTH_ONLY} | {"deadline": cfg.budget.deadline is not None}

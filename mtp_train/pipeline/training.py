@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from mtp_train import layout
 from mtp_train.config import Config
 from mtp_train.data.prepared import open_cache
-from mtp_train.errors import ConfigError
+from mtp_train.errors import ConfigError, MtpError
 from mtp_train.instantiate import instantiate
 from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
 from mtp_train.pipeline.rundir import (
@@ -285,6 +285,13 @@ def budget_trainer_kwargs(cfg: Config, budget, resuming: bool) -> dict:
     return out
 
 
+def imported_record(src: str) -> dict:
+    """Where heads.from_speculators heads came from: the folder and its weights' sha256."""
+    from mtp_train.artifacts import file_sha256
+
+    return {"dir": str(Path(src).resolve()), "sha256": file_sha256(Path(src) / "model.safetensors")}
+
+
 def _run_train(cfg: Config) -> dict:
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -296,7 +303,7 @@ def _run_train(cfg: Config) -> dict:
     from mtp_train.lit.module import MTPHeadsModule
     from mtp_train.tracking import sweep_point
 
-    check_trainer(cfg.trainer, multirun=sweep_point() is not None)
+    check_trainer(cfg.trainer, multirun=sweep_point() is not None, heads_given=bool(cfg.heads.from_speculators))
     _pin_local_gpu()
     t0 = time.time()
     torch.manual_seed(cfg.seed)
@@ -311,9 +318,23 @@ def _run_train(cfg: Config) -> dict:
 
     check_prepared_is_current(cfg, backbone.tokenizer, backbone)  # not rows prepared from other data settings
     max_length = layout.max_length(cfg)  # heads.k fits it: checked with the config (check_k_fits)
-    draft_ids = draft_vocab_for(cfg, backbone)
+    imported = None
+    if cfg.heads.from_speculators:  # a drafter trained elsewhere: its weights and draft vocabulary
+        from mtp_train.pipeline.serving import read_speculators_eagle3
+
+        imported, draft_ids = read_speculators_eagle3(Path(cfg.heads.from_speculators), cfg.heads, backbone)
+    else:
+        draft_ids = draft_vocab_for(cfg, backbone)
     torch.manual_seed(cfg.seed)  # the heads' init must not depend on what preparation drew before
     heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids)
+    if imported is not None:
+        from mtp_train.artifacts import check_state_matches
+
+        where = str(Path(cfg.heads.from_speculators) / "model.safetensors")
+        check_state_matches(imported, heads.state_dict(), where)
+        missing, _ = heads.load_state_dict(imported, strict=False)
+        if missing := [n for n in missing if n != "draft_ids"]:
+            raise MtpError(f"{where}: lacks {missing[0]} ({len(missing)} tensor(s) of the EAGLE-3 draft layer missing)")
     if done is not None:
         from mtp_train.heads.persist import load_heads
 
@@ -338,14 +359,19 @@ def _run_train(cfg: Config) -> dict:
     if state.supersede is not None:  # every check of this run passed (backbone, data, heads, cache, rows)
         dm.setup()
         apply_supersede(run_dir, state)
-    if cfg.heads.init == "final_state" and done is None and not layout.last_checkpoint(run_dir).exists():
+    if (cfg.heads.init == "final_state" and imported is None and done is None
+            and not layout.last_checkpoint(run_dir).exists()):
         fit_fc_to_final_state(heads, dm, backbone)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train, cfg.backbone.lora)
     ckpt_dir = run_dir / layout.CHECKPOINTS
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
     had_checkpoint = layout.last_checkpoint(run_dir).exists()
-    if done is None:  # a finished run only validates once more: nothing to budget or time
+    import_only = imported is not None and cfg.trainer.get("max_steps") == 0
+    if import_only:  # heads trained elsewhere, validated once: nothing to budget or time
+        budget, budget_record = None, {}
+        precision, precision_record = trained_precision(cfg, {}), {"why": "imported heads, not trained here"}
+    elif done is None:  # a finished run only validates once more: nothing to budget or time
         budget, budget_record = time_budget(cfg, backbone, dm, resuming=had_checkpoint)
         precision, precision_record = resolve_precision(cfg, backbone, heads, dm)
     else:
@@ -365,11 +391,12 @@ def _run_train(cfg: Config) -> dict:
         from mtp_train.artifacts import write_text_atomic
 
         write_text_atomic(run_dir / layout.RUN_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    with resume_loads_weights_only(last if resuming else None) as extra:
-        trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
-    # last.ckpt holds the final weights, whatever step the last periodic save was at (an export
-    # from it must give the heads written below, not older ones)
-    trainer.save_checkpoint(str(layout.last_checkpoint(run_dir)))
+    if not import_only:
+        with resume_loads_weights_only(last if resuming else None) as extra:
+            trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
+        # last.ckpt holds the final weights, whatever step the last periodic save was at (an export
+        # from it must give the heads written below, not older ones)
+        trainer.save_checkpoint(str(layout.last_checkpoint(run_dir)))
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     with gathered(module, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
@@ -381,6 +408,8 @@ def _run_train(cfg: Config) -> dict:
                                       "train_rows": len(dm.splits["train"]), "train_tokens": dm.train_tokens,
                                       "cache": str(cache.path) if cache is not None else None,
                                       "steps": trainer.global_step,
+                                      "from_speculators": (imported_record(cfg.heads.from_speculators)
+                                                           if imported is not None else None),
                                       "budget": ({**budget.summary(trainer.global_step), **budget_record}
                                                  if budget else None),
                                       "precision": {"used": str(trainer.precision), **precision_record}})
