@@ -142,6 +142,18 @@ def test_a_speculators_drafter_our_heads_cannot_express_is_refused_naming_the_ke
         imported(edit={"norm_before_residual": True})
     with pytest.raises(ConfigError, match="heads.draft_vocab: .* scores 64 tokens; set heads.draft_vocab=64"):
         imported("heads.draft_vocab=32")
+    w = load_file(str(served / "model.safetensors"))
+    w["lm_head.weight"] = w["lm_head.weight"] + 0.1
+    (tmp_path / "own_head").mkdir()
+    save_file(w, str(tmp_path / "own_head" / "model.safetensors"))
+    (tmp_path / "own_head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="heads.lm_head: .* has an LM head of its own"):
+        run_train(typed_cfg(*FAST, *EAGLE, f"heads.from_speculators={tmp_path / 'own_head'}", "trainer.max_steps=0",
+                            f"paths.output_dir={tmp_path}/own"))
+    run_train(typed_cfg(*FAST, *EAGLE, f"heads.from_speculators={tmp_path / 'own_head'}", "trainer.max_steps=0",
+                        "heads.lm_head=copy", f"paths.output_dir={tmp_path}/own_copy"))
+    got = load_file(str(tmp_path / "own_copy" / "heads.safetensors"))["lm_head.weight"]
+    torch.testing.assert_close(got, w["lm_head.weight"].to(got.dtype))
     with pytest.raises(ConfigError, match="heads.from_speculators: reads EAGLE-3 drafters"):
         typed_cfg(*FAST, "heads=chained", f"heads.from_speculators={served}")
     with pytest.raises(ConfigError, match="trainer.max_steps: 0 trains nothing"):

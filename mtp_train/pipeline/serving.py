@@ -304,6 +304,16 @@ def read_speculators_eagle3(src: Path, heads_cfg, backbone) -> tuple[dict, torch
         raise ConfigError(f"heads.draft_vocab: the drafter in {cfg_file} scores {size} tokens; set "
                           f"heads.draft_vocab={size if size < backbone.vocab_size else 'null'}")
     ours = {n: t for n, t in state.items() if n.startswith(("fc.", "layers.0.", "norm."))}
+    if "lm_head.weight" in state:
+        if heads_cfg.lm_head == "copy":  # a trainable LM head: the drafter's own
+            ours["lm_head.weight"] = state["lm_head.weight"]
+        else:  # shared: the backbone's rows stand in for the file's, so they must be the same (up to bf16)
+            rows = backbone.lm_head.weight.detach().float().cpu()
+            rows = rows[draft_ids] if draft_ids is not None else rows
+            theirs = state["lm_head.weight"].float()
+            if theirs.shape != rows.shape or not torch.allclose(theirs, rows, rtol=1e-2, atol=1e-3):
+                raise ConfigError(f"heads.lm_head: the drafter in {cfg_file} has an LM head of its own (not the "
+                                  "backbone's rows for its draft vocabulary); set heads.lm_head=copy")
     return ours, draft_ids
 
 # --- Medusa -------------------------------------------------------------------------------------
