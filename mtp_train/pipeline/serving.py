@@ -257,65 +257,6 @@ def eagle3_files(heads, backbone, serve_dir: Path) -> tuple[dict, dict]:
 
 
 
-def read_speculators_eagle3(src: Path, heads_cfg, backbone) -> tuple[dict, torch.Tensor | None]:
-    """An EAGLE-3 drafter in the speculators layout (what `speculators.train` saves, and what
-    eagle3_files writes) as (our Eagle3Heads' state, its draft ids or None), for `heads.from_speculators`.
-    Everything our heads cannot express, or that differs from `heads_cfg` and this backbone, is refused
-    in one line naming the key; the file's d2t sets the draft vocabulary."""
-    from mtp_train.artifacts import load_weights, read_weights_meta
-    from mtp_train.errors import ConfigError
-    from mtp_train.heads.eagle3 import Eagle3Heads
-
-    config, cfg_file, weights = read_weights_meta(Path(src), "config.json", WEIGHTS_FILE,
-                                                  "an EAGLE-3 drafter as speculators saves it")
-    if not isinstance(config, dict) or config.get("speculators_model_type") != "eagle3":
-        got = config.get("speculators_model_type") if isinstance(config, dict) else type(config).__name__
-        raise MtpError(f"{cfg_file}: speculators_model_type is {got!r}; heads.from_speculators reads "
-                       "EAGLE-3 drafters (\"eagle3\")")
-    for key in ("norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad"):
-        if config.get(key):
-            flag = "--no-" + key.replace("_", "-") if key != "fc_norm" else "no --fc-norm"
-            raise MtpError(f"{cfg_file}: {key} is true; mtp-train's EAGLE-3 heads (and the engines' drafter) "
-                           f"have no such option: train the drafter with {flag} (speculators.train)")
-    layer = config.get("transformer_layer_config") or {}
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise MtpError(f"{cfg_file}: transformer_layer_config.num_hidden_layers is "
-                       f"{layer.get('num_hidden_layers')!r}; mtp-train's EAGLE-3 heads have one draft layer")
-    if layer.get("hidden_size") != backbone.hidden_size:
-        raise ConfigError(f"{cfg_file}: a drafter of hidden size {layer.get('hidden_size')!r}, the backbone "
-                          f"({backbone.name}) has {backbone.hidden_size}")
-    want_aux = Eagle3Heads.aux_layers_for(heads_cfg, backbone.config)
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
-    if aux is not None and sorted(int(i) for i in aux) != want_aux:
-        raise ConfigError(f"heads.aux_layers: the drafter in {cfg_file} fuses layers {aux}, these heads "
-                          f"{want_aux}; set heads.aux_layers={sorted(int(i) for i in aux)}")
-    nbr = bool(config.get("norm_before_residual", False))
-    if nbr != bool(heads_cfg.norm_before_residual):
-        raise ConfigError(f"heads.norm_before_residual: the drafter in {cfg_file} has {str(nbr).lower()}; "
-                          f"set heads.norm_before_residual={str(nbr).lower()}")
-    state = load_weights(weights)  # unreadable or non-finite: named first
-    draft_ids = None
-    if "d2t" in state:
-        d2t = state["d2t"].long()
-        draft_ids = d2t + torch.arange(len(d2t))
-    size = len(draft_ids) if draft_ids is not None else backbone.vocab_size
-    want_size = heads_cfg.draft_vocab or backbone.vocab_size
-    if size != want_size:
-        raise ConfigError(f"heads.draft_vocab: the drafter in {cfg_file} scores {size} tokens; set "
-                          f"heads.draft_vocab={size if size < backbone.vocab_size else 'null'}")
-    ours = {n: t for n, t in state.items() if n.startswith(("fc.", "layers.0.", "norm."))}
-    if "lm_head.weight" in state:
-        if heads_cfg.lm_head == "copy":  # a trainable LM head: the drafter's own
-            ours["lm_head.weight"] = state["lm_head.weight"]
-        else:  # shared: the backbone's rows stand in for the file's, so they must be the same (up to bf16)
-            rows = backbone.lm_head.weight.detach().float().cpu()
-            rows = rows[draft_ids] if draft_ids is not None else rows
-            theirs = state["lm_head.weight"].float()
-            if theirs.shape != rows.shape or not torch.allclose(theirs, rows, rtol=1e-2, atol=1e-3):
-                raise ConfigError(f"heads.lm_head: the drafter in {cfg_file} has an LM head of its own (not the "
-                                  "backbone's rows for its draft vocabulary); set heads.lm_head=copy")
-    return ours, draft_ids
-
 # --- Medusa -------------------------------------------------------------------------------------
 
 def medusa_files(heads, backbone) -> tuple[dict, dict]:

@@ -320,7 +320,7 @@ def _run_train(cfg: Config) -> dict:
     max_length = layout.max_length(cfg)  # heads.k fits it: checked with the config (check_k_fits)
     imported = None
     if cfg.heads.from_speculators:  # a drafter trained elsewhere: its weights and draft vocabulary
-        from mtp_train.pipeline.serving import read_speculators_eagle3
+        from mtp_train.heads.persist import read_speculators_eagle3
 
         imported, draft_ids = read_speculators_eagle3(Path(cfg.heads.from_speculators), cfg.heads, backbone)
     else:
