@@ -170,3 +170,14 @@ def check_finite(tensors: dict, where: str) -> None:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise MtpError(f"{where}: {name} has {bad:,} non-finite values of {t.numel():,}")
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """A matplotlib figure written to a temporary file beside `path`, then moved over it: a symlink
+    at `path` is replaced, never written through (the file it points to is not ours), and a reader
+    never sees half a PNG."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=dpi)
+    os.replace(tmp, path)
+    return path

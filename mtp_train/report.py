@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from mtp_train import layout
-from mtp_train.artifacts import write_text_atomic
+from mtp_train.artifacts import save_figure, write_text_atomic
 from mtp_train.choices import PREDICTOR_KINDS
 from mtp_train.errors import MtpError
 from mtp_train.evaluation.modes import MODES
@@ -228,7 +228,7 @@ def training_curves(train_dir: Path, out: Path) -> Path | None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     plt.close(fig)
     return out
 

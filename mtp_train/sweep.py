@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from mtp_train import layout
-from mtp_train.artifacts import read_json, write_text_atomic
+from mtp_train.artifacts import read_json, save_figure, write_text_atomic
 from mtp_train.errors import MtpError
 from mtp_train.layout import FAILED
 
@@ -159,7 +159,7 @@ def plot(rows: list[dict], path: Path, x_key: str = "heads.k") -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

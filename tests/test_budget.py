@@ -282,3 +282,35 @@ def test_an_evaluation_is_cut_to_its_deadline_sampling_first_then_modes_then_tok
     assert eval_seconds(c3, tok) <= core / 2 and "max_new_tokens 48 ->" in cuts[-1]
     c4, cuts = size_eval(cfg, tok, 1.0)  # nothing fits: the floor, and by how much it overruns
     assert c4.eval.max_new_tokens == MIN_EVAL_TOKENS and "over the deadline" in cuts[-1]
+
+
+@pytest.mark.parametrize("hours", [-25, 25, -1e6])
+def test_a_deadline_no_run_could_mean_is_refused_naming_the_key(hours):
+    from mtp_train.pipeline.budget import check_deadline
+
+    now = 1.8e9
+    with pytest.raises(ConfigError, match=rf"budget.deadline: .* h in the {'past' if hours < 0 else 'future'}"):
+        check_deadline(now + hours * 3600, now)
+    check_deadline(now - 600, now)  # just passed: the floors run
+    check_deadline(now + 1800, now)
+
+
+@pytest.mark.integration
+def test_a_deadline_years_past_trains_nothing_and_marks_nothing_finished(typed_cfg, tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="budget.deadline"):
+        run_train(typed_cfg(*FAST, "heads.k=2", "budget.deadline=1000", "train.min_steps=2", "trainer.max_steps=40",
+                            f"paths.output_dir={run}"))
+    assert not (run / "heads.json").exists()
+
+
+@pytest.mark.integration
+def test_a_resumed_run_with_another_save_interval_keeps_saving_to_the_checkpoint_resume_reads(typed_cfg, tmp_path):
+    """Lightning names a last checkpoint it cannot match to its own record last-v1.ckpt; a run killed
+    after that would resume from the older last.ckpt and lose what it trained since."""
+    run = tmp_path / "run"
+    run_train(typed_cfg(*FAST, "heads.k=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
+                        f"paths.output_dir={run}"))
+    run_train(typed_cfg(*FAST, "heads.k=2", "trainer.max_steps=9", "trainer.val_check_interval=3",
+                        f"paths.output_dir={run}"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]

@@ -230,3 +230,25 @@ def test_a_directory_where_a_json_record_belongs_is_named(tmp_path):
     with pytest.raises(MtpError, match=r"heads\.json: cannot be read as a JSON record \(IsADirectoryError\)"):
         read_json(tmp_path / "heads.json")
     assert read_json(tmp_path / "absent.json") is None
+
+
+def test_a_plot_at_a_symlink_replaces_the_link_and_leaves_its_target_alone(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mtp_train.artifacts import save_figure
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "speedup.png").symlink_to(precious)
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    save_figure(fig, out / "speedup.png")
+    plt.close(fig)
+    assert precious.read_text() == "the user's"
+    assert not (out / "speedup.png").is_symlink() and (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir()) == ["speedup.png"]  # no temporary left

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtp_train.artifacts import write_json_atomic
+from mtp_train.artifacts import save_figure, write_json_atomic
 from mtp_train.layout import (
     ACCEPTANCE_PNG,
     EVAL_REPORT,
@@ -116,7 +116,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
     ax.set_title("speedup per mode")
     fig.tight_layout()
     paths.append(out_dir / SPEEDUP_PNG)
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1], dpi=120)
     plt.close(fig)
     k = report["k"]
     if k and modes:
@@ -139,7 +139,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         a2.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out_dir / ACCEPTANCE_PNG)
-        fig.savefig(paths[-1], dpi=120)
+        save_figure(fig, paths[-1], dpi=120)
         plt.close(fig)
     if report.get("sampled"):
         paths.append(_sampling_plot(report, out_dir / SAMPLING_PNG))
@@ -170,7 +170,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         fig.tight_layout()
         paths.append(out_dir / VERIFY_COSTS_PNG)
-        fig.savefig(paths[-1], dpi=120)
+        save_figure(fig, paths[-1], dpi=120)
         plt.close(fig)
     return paths
 
@@ -200,7 +200,7 @@ def _sampling_plot(report: dict, path: Path) -> Path:
     a2.set_title("speedup under sampling")
     a2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

@@ -72,10 +72,28 @@ def predict_after_train(cfg: Config, token_s: float) -> dict:
             "total_s": round(sum(seconds.values()), 1)}
 
 
+DEADLINE_WINDOW_H = 24  # a deadline further than this from now (either way) is not one this job can mean
+
+
+def check_deadline(deadline: float, now: float | None = None) -> None:
+    """Refuse a budget.deadline that no run could mean: more than DEADLINE_WINDOW_H hours before or
+    after now (a typo, milliseconds, a stale value). One just passed is kept: the stages then do
+    their floors (train.min_steps, the evaluation's shortest form)."""
+    from mtp_train.errors import ConfigError
+
+    now = time.time() if now is None else now
+    hours = (deadline - now) / 3600
+    if abs(hours) > DEADLINE_WINDOW_H:
+        raise ConfigError(f"budget.deadline: {deadline} is {abs(hours):,.1f} h in the {'past' if hours < 0 else 'future'}; "
+                          "it is the Unix time in seconds the job must end by (make demo passes $(date +%s) + "
+                          "its minutes x 60)")
+
+
 def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: float | None = None) -> tuple[float, dict]:
     """(seconds training may take, the record of how they were found) under budget.deadline."""
     from mtp_train.evaluation.machine import cpu_model, resolve_dtype
 
+    check_deadline(cfg.budget.deadline, now)
     t0 = time.time()
     dtype = resolve_dtype(cfg.eval.dtype)
     after = predict_after_train(cfg, token_seconds(backbone, prompt, dtype))

@@ -255,8 +255,9 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, 
     (mtp_train/pipeline/budget.py: sampled runs, then extra modes, then shorter decodes)."""
     import time
 
-    from mtp_train.pipeline.budget import eval_seconds, size_eval, token_seconds
+    from mtp_train.pipeline.budget import check_deadline, eval_seconds, size_eval, token_seconds
 
+    check_deadline(cfg.budget.deadline)
     token_s = token_seconds(backbone, prompt, backbone.model.dtype)
     left = cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min
     full = eval_seconds(cfg, token_s)

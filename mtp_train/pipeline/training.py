@@ -364,7 +364,10 @@ def _run_train(cfg: Config) -> dict:
         fit_fc_to_final_state(heads, dm, backbone)
     module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train, cfg.backbone.lora)
     ckpt_dir = run_dir / layout.CHECKPOINTS
-    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+    # always last.ckpt, the one a resume reads: with the version counter Lightning writes last-v1.ckpt
+    # when it cannot match the file to its own record (a changed save interval, a moved run directory),
+    # and a killed run's progress would be in a file no resume reads
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, enable_version_counter=False,
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
     had_checkpoint = layout.last_checkpoint(run_dir).exists()
     import_only = imported is not None and cfg.trainer.get("max_steps") == 0
