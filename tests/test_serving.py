@@ -332,3 +332,18 @@ def test_an_export_destination_that_is_a_symlink_is_refused_in_one_line(tmp_path
         with pytest.raises(MtpError, match=rf"--out .*{name}: a symbolic link"):
             check_destination(tmp_path / name, None)
     assert (tmp_path / "link").is_symlink() and (tmp_path / "served" / "a").is_dir()
+
+
+def test_serve_commands_quote_every_path_so_a_pasted_command_runs_nothing_else(tmp_path):
+    import shlex
+
+    from mtp_train.pipeline.serving import serve_commands
+
+    odd = tmp_path / "x';touch PWNED;' and spaces"
+    cmds = serve_commands("eagle3", odd / "backbone", odd, 3)
+    vllm = shlex.split(cmds["vllm"])
+    assert vllm[:3] == ["vllm", "serve", str(odd / "backbone")] and vllm[3] == "--speculative-config"
+    assert json.loads(vllm[4]) == {"method": "eagle3", "model": str(odd), "num_speculative_tokens": 3}
+    sglang = shlex.split(cmds["sglang"])
+    assert sglang[sglang.index("--model-path") + 1] == str(odd / "backbone")
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == str(odd)

@@ -329,12 +329,15 @@ def backbone_notes(serve_dir: Path, backbone) -> list[str]:
 
 
 def serve_commands(fmt: str, backbone: Path, heads: Path, k: int) -> dict:
-    """The engines' command lines for this export (not run here: no GPU, no engine)."""
+    """The engines' command lines for this export (not run here: no GPU, no engine), every argument
+    shell-quoted: a path with spaces or quotes pastes as one argument and never as shell code."""
+    from shlex import quote
+
     method = {"eagle3": "eagle3", "medusa": "medusa"}[fmt]
     spec = json.dumps({"method": method, "model": str(heads), "num_speculative_tokens": k})
-    out = {"vllm": f"vllm serve {backbone} --speculative-config '{spec}'"}
+    out = {"vllm": f"vllm serve {quote(str(backbone))} --speculative-config {quote(spec)}"}
     if fmt == "eagle3":
-        out["sglang"] = (f"python -m sglang.launch_server --model-path {backbone} --speculative-algorithm "
-                         f"EAGLE3 --speculative-draft-model-path {heads} --speculative-num-steps {k} "
+        out["sglang"] = (f"python -m sglang.launch_server --model-path {quote(str(backbone))} --speculative-algorithm "
+                         f"EAGLE3 --speculative-draft-model-path {quote(str(heads))} --speculative-num-steps {k} "
                          f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
     return out
