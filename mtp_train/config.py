@@ -340,7 +340,7 @@ class TrainConfig:
         check_choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
         check(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
         temps = list(self.sampled_tau_temperatures)
-        check(all(t > 0 for t in temps), "train.sampled_tau_temperatures",
+        check(all(math.isfinite(t) and t > 0 for t in temps), "train.sampled_tau_temperatures",
               f"each must be > 0 (greedy verification is val/sim_tau), got {temps}")
         check(len({f"{t:.1f}" for t in temps}) == len(temps), "train.sampled_tau_temperatures",
               f"must differ at one decimal place (each names a metric val/sim_tau_t<T>), got {temps}")
@@ -430,7 +430,8 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         for t in self.temperatures:
-            check(t >= 0, "eval.sampling.temperatures", f"must be >= 0 (0: greedy), got {t}")
+            check(math.isfinite(t) and t >= 0, "eval.sampling.temperatures",
+                  f"must be finite and >= 0 (0: greedy), got {t}")
         check(self.top_k >= 0, "eval.sampling.top_k", f"must be >= 0 (0 keeps every token), got {self.top_k}")
         check(0 < self.top_p <= 1, "eval.sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.min_p is None or 0 <= self.min_p <= 1, "eval.sampling.min_p", "must be in [0, 1] or null")

@@ -384,6 +384,8 @@ def test_a_write_failure_is_one_line_naming_the_file(compose_cfg, capsys):
 
 @pytest.mark.parametrize("override,key", [
     ("eval.sampling.temperatures=[-0.5]", "eval.sampling.temperatures"),
+    ("eval.sampling.temperatures=[inf]", "eval.sampling.temperatures"),
+    ("eval.sampling.temperatures=[nan]", "eval.sampling.temperatures"),
     ("eval.sampling.top_p=0", "eval.sampling.top_p"), ("eval.sampling.top_p=1.5", "eval.sampling.top_p"),
     ("eval.sampling.top_k=-1", "eval.sampling.top_k"), ("eval.sampling.min_p=2", "eval.sampling.min_p"),
     ("eval.sampling.samples=0", "eval.sampling.samples"),
