@@ -129,6 +129,19 @@ def check_weights_digest(meta: dict, weights: Path) -> None:
                        "heads.json differs): damaged or edited; train again (force=true) or restore the file")
 
 
+def load_checked(heads: nn.Module, state: dict, weights: Path, cfg: HeadsConfig) -> None:
+    """Load `state` into `heads`, refusing tensors of another shape or kind, tensors the heads do not
+    have, and trainable ones the file lacks (frozen ones, such as a shared LM head, are rebuilt)."""
+    from mtp_train.artifacts import check_state_matches
+
+    check_state_matches(state, heads.state_dict(), str(weights))
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise MtpError(f"{weights}: does not match {cfg.type} heads with k={cfg.k} "
+                       f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
+
+
 def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple[nn.Module, dict]:
     """Trained heads from a directory with heads.safetensors + heads.json, checked against `backbone`:
     its shape always; its name and weights fingerprint unless `allow_foreign`
@@ -136,7 +149,7 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     the adapters are loaded into `backbone` (in place), which is then the adapted model.
 
     Returns (heads in eval mode on the backbone's device, the heads.json metadata)."""
-    from mtp_train.artifacts import check_state_matches, load_weights, read_weights_meta
+    from mtp_train.artifacts import load_weights, read_weights_meta
     from mtp_train.heads.vocab import check_draft_ids
 
     d = Path(path)
@@ -157,15 +170,10 @@ def load_heads(path: str | Path, backbone, allow_foreign: bool = False) -> tuple
     if "draft_ids" in state:
         check_draft_ids(state["draft_ids"], backbone.vocab_size, str(weights))
     heads = build_heads(cfg, backbone, draft_ids=state.get("draft_ids"))
-    check_state_matches(state, heads.state_dict(), str(weights))
     if meta.get("draft_size") not in (None, heads.draft_size):
         raise MtpError(f"{meta_file}: draft_size is {meta['draft_size']!r}, the heads' draft vocabulary holds "
                        f"{heads.draft_size}; the file was edited or damaged")
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    trainable = {n for n, p in heads.named_parameters() if p.requires_grad}
-    if unexpected or trainable & set(missing):
-        raise MtpError(f"{weights}: does not match {cfg.type} heads with k={cfg.k} "
-                       f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
+    load_checked(heads, state, weights, cfg)
     if meta.get("adapter"):  # trained jointly with LoRA adapters: the heads draft for the adapted backbone
         from mtp_train.adapters import attach_run_adapter
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from mtp_train import layout
 from mtp_train.config import Config
 from mtp_train.data.prepared import open_cache
-from mtp_train.errors import ConfigError, MtpError
+from mtp_train.errors import ConfigError
 from mtp_train.instantiate import instantiate
 from mtp_train.layout import HEADS_FILE, HEADS_META, TREE_STATS, data_dirs
 from mtp_train.pipeline.rundir import (
@@ -328,13 +328,9 @@ def _run_train(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)  # the heads' init must not depend on what preparation drew before
     heads = build_heads(cfg.heads, backbone, draft_ids=draft_ids)
     if imported is not None:
-        from mtp_train.artifacts import check_state_matches
+        from mtp_train.heads.persist import load_checked
 
-        where = str(Path(cfg.heads.from_speculators) / "model.safetensors")
-        check_state_matches(imported, heads.state_dict(), where)
-        missing, _ = heads.load_state_dict(imported, strict=False)
-        if missing := [n for n in missing if n != "draft_ids"]:
-            raise MtpError(f"{where}: lacks {missing[0]} ({len(missing)} tensor(s) of the EAGLE-3 draft layer missing)")
+        load_checked(heads, imported, Path(cfg.heads.from_speculators) / "model.safetensors", cfg.heads)
     if done is not None:
         from mtp_train.heads.persist import load_heads
 
