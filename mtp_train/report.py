@@ -170,8 +170,36 @@ def flagged_modes(report: dict | None) -> set[str]:
     return out
 
 
-def _predictor_metas(clp_root: Path) -> dict:
-    return {kind: m for kind in PREDICTOR_KINDS if (m := _json(layout.predictor_dir(clp_root, kind) / layout.PREDICTOR_META))}
+def predictor_problem(meta: dict, pred_dir: Path, heads_sha256: str | None) -> str | None:
+    """Why a predictor under clp/ cannot serve the run's heads (None: it can), by the checks mtp-eval
+    makes before it uses one: fitted on these heads' acceptance, its weights present and the ones
+    mtp-clp fitted. A predictor with a problem is reported as not calibrated for these heads."""
+    from mtp_train.clp import check_predictor_weights
+
+    theirs = meta.get("heads_sha256")
+    if theirs and heads_sha256 and theirs != heads_sha256:
+        return "fitted on other heads' acceptance: rerun mtp-clp for these heads"
+    weights = pred_dir / layout.PREDICTOR_FILE
+    if not weights.is_file():
+        return f"{layout.PREDICTOR_FILE} is missing: rerun `mtp-clp stage=fit`"
+    try:
+        check_predictor_weights(meta, weights)
+    except MtpError:
+        return f"{layout.PREDICTOR_FILE} is not the one mtp-clp fitted (sha256 differs): rerun `mtp-clp stage=fit`"
+    return None
+
+
+def _predictor_metas(clp_root: Path, heads_sha256: str | None) -> dict:
+    """kind -> predictor.json for each predictor under clp/, with `problem` (predictor_problem) and
+    calibrated=False where it cannot serve these heads."""
+    out = {}
+    for kind in PREDICTOR_KINDS:
+        pred_dir = layout.predictor_dir(clp_root, kind)
+        if m := _json(pred_dir / layout.PREDICTOR_META):
+            if problem := predictor_problem(m, pred_dir, heads_sha256):
+                m = {**m, "calibrated": False, "problem": problem}
+            out[kind] = m
+    return out
 
 
 _PROMPT_SOURCES = {"validation": "held-out prompts", "file": "prompts from eval.prompts",
@@ -331,7 +359,9 @@ def _write_report(root: Path) -> Path:
     md += [f"| total | {_minutes(total)} |", ""]
     md += _budget_section(heads, report, times)
     bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
-    if rows := target_rows(report, total, bounds, _predictor_metas(clp)):
+    # the heads: heads.json's digest, else the one the evaluation measured
+    predictors = _predictor_metas(clp, (heads or {}).get("weights_sha256") or (report or {}).get("heads_sha256"))
+    if rows := target_rows(report, total, bounds, predictors):
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
         md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
         md.append("")
@@ -380,16 +410,18 @@ def _write_report(root: Path) -> Path:
 
     md += _serving_section(train)
 
-    preds = [(k, _json(layout.predictor_dir(clp, k) / layout.PREDICTOR_META)) for k in PREDICTOR_KINDS]
-    preds = [(k, m) for k, m in preds if m]
-    if preds:
+    if predictors:
         from mtp_train.clp import saved_threshold
+
+        def calibrated(m: dict) -> str:
+            if m.get("problem"):
+                return f"no: {m['problem']}"
+            return "yes" if m.get("calibrated") else "no threshold met the bounds: accepts nothing extra"
 
         md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
         md += [f"| {k} | {m.get('parameters', 0):,} | "
                f"{_fmt(saved_threshold(m, layout.predictor_dir(clp, k) / layout.PREDICTOR_META), 2)} | "
-               f"{'yes' if m.get('calibrated') else 'no threshold met the bounds: accepts nothing extra'} |"
-               for k, m in preds]
+               f"{calibrated(m)} |" for k, m in predictors.items()]
         md.append("")
 
     outputs = _json(ev / layout.OUTPUTS, list)
@@ -524,8 +556,9 @@ def summary(run_root: str | Path) -> str:
              f"rep {r['repetition_ratio']:.3f}  NLL {r['backbone_nll']:.3f}" for mode, r in report["modes"].items()]
     lines += [f"  flag: {line}" for line in report.get("flags") or []]
     lines += [f"  not identical to greedy: {line}" for line in report.get("divergence") or []]
-    clp = layout.pipeline_dirs(run_root)[1]
+    train, clp = layout.pipeline_dirs(run_root)[:2]
     bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
+    heads_sha = (_json(train / layout.HEADS_META) or {}).get("weights_sha256") or report.get("heads_sha256")
     lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"
-              for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp))]
+              for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp, heads_sha))]
     return "\n".join(lines)

@@ -130,17 +130,22 @@ def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
 
 
 @pytest.mark.bad_input
-def test_pick_threshold_takes_the_fastest_within_bounds_and_refuses_when_none():
+def test_pick_threshold_takes_the_longest_steps_within_bounds_and_refuses_when_none():
     from mtp_train.evaluation.calibration import pick_threshold
 
-    greedy = {"tokens_per_s": 10.0, "repetition_ratio": 0.10, "backbone_nll": 1.00}
-    # lower tau: faster, but repetition and NLL grow
-    rows = [{"threshold": t, "tokens_per_s": 10 + 10 * (1 - t), "repetition_ratio": 0.10 + 0.05 * (1 - t),
-             "backbone_nll": 1.0 + 0.3 * (1 - t)} for t in (0.9, 0.8, 0.7, 0.6, 0.5)]
+    greedy = {"tau": 1.0, "tokens_per_s": 10.0, "repetition_ratio": 0.10, "backbone_nll": 1.00}
+    # lower threshold: more tokens a step, but repetition and NLL grow; the timings are noise
+    # (the fastest measured row is never the one picked)
+    rows = [{"threshold": t, "tau": 1 + 2 * (1 - t), "tokens_per_s": 30 * t,
+             "repetition_ratio": 0.10 + 0.05 * (1 - t), "backbone_nll": 1.0 + 0.3 * (1 - t)}
+            for t in (0.9, 0.8, 0.7, 0.6, 0.5)]
     # repetition bound 0.02 allows 1 - t <= 0.4; NLL bound 0.10 allows 1 - t <= 0.333
     assert pick_threshold(rows, greedy, 0.02, 0.10)["threshold"] == 0.7
     assert pick_threshold(rows, greedy, 0.02, 1.0)["threshold"] == 0.6
     assert pick_threshold(rows, greedy, 0.001, 0.10) is None  # nothing meets the bounds: the caller keeps 1.0
+    # equal tau: the more cautious (higher) threshold, whatever the timings say
+    flat = [{**r, "tau": 1.5} for r in rows]
+    assert pick_threshold(flat, greedy, 0.02, 1.0)["threshold"] == 0.9
 
 
 class OracleDrafter(ChainScript):

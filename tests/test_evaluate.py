@@ -344,6 +344,21 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     with pytest.raises(MtpError, match=r"^eval.clp_run: .* was fitted on the acceptance of other heads"):
         run_eval(_eval_cfg(root, "eval.modes=[greedy,clp]", f"eval.train_run={other}", f"eval.clp_run={root}/clp",
                            f"paths.output_dir={root}/eval_other"))
+    # the report judges them as mtp-eval does: fitted on other heads, so not calibrated for these (it
+    # said "calibrated yes" before, hostile round 3)
+    from mtp_train.report import _predictor_metas
+
+    other_sha = file_sha256(other / "heads.safetensors")
+    metas = _predictor_metas(root / "clp", other_sha)
+    assert set(metas) == {"clp", "gate"}
+    assert all(m["calibrated"] is False and "fitted on other heads" in m["problem"] for m in metas.values())
+    assert not any("problem" in m for m in _predictor_metas(root / "clp", file_sha256(root / "train" / "heads.safetensors")).values())
+    # mtp-clp for the other heads refitting clp only removes the gate fitted on the earlier heads (it
+    # stayed beside the new clp, hostile round 3)
+    run_clp(_eval_cfg(root, *clp_args[:-1], "clp.kinds=[clp]", f"clp.train_run={other}", f"paths.output_dir={root}/clp"))
+    assert not (root / "clp" / "gate").exists()
+    metas = _predictor_metas(root / "clp", other_sha)
+    assert set(metas) == {"clp"} and "problem" not in metas["clp"]
 
 
 class _Killed(Exception):
@@ -426,6 +441,8 @@ def test_mtp_clp_killed_in_each_stage_reruns_to_the_uninterrupted_result(trained
             mb = json.loads((out / kind / "predictor.json").read_text())
             assert mb["fit"] == ma["fit"] and mb["label_histogram"] == ma["label_histogram"], (stage, kind)
             assert _deterministic_calibration(mb) == _deterministic_calibration(ma), (stage, kind)
+            # and so is the threshold kept (picked by tokens per step, not by a timing)
+            assert (mb["threshold"], mb["calibrated"]) == (ma["threshold"], ma["calibrated"]), (stage, kind)
         assert not layout.shards_dir(out / layout.LABELS).exists()
         assert not [p for p in out.rglob("*") if ".tmp-" in p.name or ".old-" in p.name], stage
 

@@ -252,3 +252,40 @@ def test_a_plot_at_a_symlink_replaces_the_link_and_leaves_its_target_alone(tmp_p
     assert precious.read_text() == "the user's"
     assert not (out / "speedup.png").is_symlink() and (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in out.iterdir()) == ["speedup.png"]  # no temporary left
+
+
+@pytest.mark.bad_input
+def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibrated(tmp_path):
+    """A clp/ predictor fitted on other heads, or whose weights were deleted or swapped, was listed as
+    "calibrated: yes" (hostile round 3, B5 and P16): the page says why it is not, and the clp target
+    row reads it as accepting nothing."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mtp_train.artifacts import file_sha256
+    from mtp_train.report import write_report
+
+    report = _flagged_run(tmp_path)
+    report.update(heads_sha256="a" * 64, predictors={}, flags=[])
+    report["modes"]["clp"] = _mode(1.5, 1.3) | {"tokens_per_s": 1.0, "acceptance": [0.2], "greedy_match_rate": 0.5}
+    report["details"]["clp"]["plausible_max_speedup"] = 1.6
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    pred = tmp_path / "clp" / "clp"
+    pred.mkdir(parents=True)
+    save_file({"w": torch.ones(3)}, str(pred / "predictor.safetensors"))
+    meta = {"threshold": 0.5, "calibrated": True, "parameters": 3, "heads_sha256": "a" * 64,
+            "weights_sha256": file_sha256(pred / "predictor.safetensors")}
+
+    def page_with(**change) -> str:
+        (pred / "predictor.json").write_text(json.dumps({**meta, **change}))
+        return write_report(tmp_path).read_text()
+
+    page = page_with()
+    assert "| clp | 3 | 0.50 | yes |" in page and "not calibrated (accepts nothing)" not in page
+    page = page_with(heads_sha256="b" * 64)
+    assert "| clp | 3 | 0.50 | no: fitted on other heads' acceptance: rerun mtp-clp for these heads |" in page
+    assert "not calibrated (accepts nothing) | **no** |" in page
+    page = page_with(weights_sha256="c" * 64)
+    assert "no: predictor.safetensors is not the one mtp-clp fitted" in page
+    (pred / "predictor.safetensors").unlink()
+    assert "no: predictor.safetensors is missing" in page_with()

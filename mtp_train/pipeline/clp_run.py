@@ -169,6 +169,7 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
     if is_val.all() or not is_val.any():
         raise MtpError(f"{labels_dir}: {n_prompts} labelled prompts are too few to hold out a validation set")
     weights = class_weights(labels[~is_val], heads.k)
+    drop_stale_predictors(out, heads_hash, keep=list(cfg.clp.kinds))
     results = {}
     for kind in cfg.clp.kinds:
         key = fit_key(cfg, kind, manifest)
@@ -204,6 +205,33 @@ def stage_fit(cfg: Config, backbone, heads, out: Path) -> dict:
                  val["val/p_span1_observed"])
         results[kind] = val
     return results
+
+
+def drop_stale_predictors(out: Path, heads_hash: str, keep: list[str]) -> list[str]:
+    """Predictors this fit does not refit (kinds outside clp.kinds) that were fitted on other heads'
+    acceptance are removed (their predictor.json and predictor.safetensors, the files mtp-clp wrote),
+    so the directory never offers a predictor of earlier heads beside these heads' ones."""
+    from mtp_train.artifacts import read_json
+    from mtp_train.choices import PREDICTOR_KINDS
+    from mtp_train.layout import PREDICTOR_FILE, PREDICTOR_META
+
+    dropped = []
+    for kind in PREDICTOR_KINDS:
+        if kind in keep:
+            continue
+        meta = read_json(out / kind / PREDICTOR_META)
+        if meta is None or meta.get("heads_sha256") == heads_hash:
+            continue
+        for name in (PREDICTOR_META, PREDICTOR_FILE):
+            (out / kind / name).unlink(missing_ok=True)
+        try:
+            (out / kind).rmdir()  # only when nothing else is there
+        except OSError:
+            pass
+        log.warning("%s: removed the %s predictor fitted on other heads (clp.kinds=%s does not refit it)",
+                    out / kind, kind, keep)
+        dropped.append(kind)
+    return dropped
 
 
 def passes(check, then: str) -> bool:
