@@ -51,10 +51,13 @@ def _decoded(run: Path) -> dict:
             for mode, r in report.get("modes", {}).items() if mode != "hf_generate"}
 
 
-def gather(sweep_dir: str | Path) -> list[dict]:
+def gather(sweep_dir: str | Path, since: float | None = None) -> list[dict]:
+    """One row per point of the sweep directory; with `since` (a multirun's start time) only the points
+    that multirun ran (their .hydra/ record is that recent): a reused directory's older points of
+    another sweep are not this sweep's."""
     sweep_dir = Path(sweep_dir)
-    runs = sorted((p.parent.parent for p in sweep_dir.glob(f"*/{layout.HYDRA_DIR}/{layout.HYDRA_OVERRIDES}")),
-                  key=_number)
+    runs = sorted((p.parent.parent for p in sweep_dir.glob(f"*/{layout.HYDRA_DIR}/{layout.HYDRA_OVERRIDES}")
+                   if since is None or p.stat().st_mtime >= since), key=_number)
     if not runs:
         raise MtpError(f"{sweep_dir}: no sweep points here (expected <n>/.hydra/overrides.yaml)")
     rows = []
@@ -164,12 +167,13 @@ def plot(rows: list[dict], path: Path, x_key: str = "heads.k") -> Path | None:
     return path
 
 
-def report(sweep_dir: str | Path) -> dict:
-    """Write sweep_report.{json,md,png} into the sweep directory; returns the JSON content."""
+def report(sweep_dir: str | Path, since: float | None = None) -> dict:
+    """Write sweep_report.{json,md,png} into the sweep directory (the points `gather` takes); returns
+    the JSON content."""
     from mtp_train.artifacts import write_json_atomic
 
     sweep_dir = Path(sweep_dir)
-    rows = gather(sweep_dir)
+    rows = gather(sweep_dir, since)
     table = markdown_table(rows)
     png = plot(rows, sweep_dir / f"{layout.SWEEP_REPORT}.png")
     out = {"sweep_dir": str(sweep_dir), "swept": swept_keys(rows), "points": rows,
@@ -207,14 +211,15 @@ def to_wandb(cfg, out: dict, group: str) -> None:
     run.finish()
 
 
-def summarize(cfg, sweep_dir: str | Path) -> dict | None:
-    """The summary of a finished mtp-train multirun: written beside the points, printed, and with
-    logger=wandb logged to the sweep's W&B group (`cfg`: the sweep's config). None without points."""
+def summarize(cfg, sweep_dir: str | Path, since: float | None = None) -> dict | None:
+    """The summary of a finished mtp-train multirun (its points: those run since `since`): written
+    beside the points, printed, and with logger=wandb logged to the sweep's W&B group (`cfg`: the
+    sweep's config). None without points."""
     from mtp_train.tracking import sweep_group
 
     sweep_dir = Path(sweep_dir)
     try:
-        out = report(sweep_dir)
+        out = report(sweep_dir, since)
     except MtpError as e:
         log.warning("sweep summary: %s", e)
         return None

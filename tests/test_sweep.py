@@ -87,6 +87,35 @@ def test_report_refuses_a_directory_without_points(tmp_path):
         gather(tmp_path)
 
 
+def test_a_sweep_summary_lists_this_multiruns_points_not_older_ones_in_a_reused_directory(tmp_path):
+    """A sweep run into a directory that held another sweep's points summarised those too (hostile
+    round 2): the summary after a multirun takes the points it ran (`since`); `bench/sweep_report.py`
+    on a directory still lists every point there."""
+    import time
+
+    for name in ("0-k3-ce", "1-k2-kl"):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text("- heads.k=2\n")
+    hour_ago = time.time() - 3600
+    os.utime(tmp_path / "0-k3-ce" / ".hydra" / "overrides.yaml", (hour_ago, hour_ago))
+    assert [r["point"] for r in gather(tmp_path)] == ["0-k3-ce", "1-k2-kl"]
+    assert [r["point"] for r in gather(tmp_path, since=time.time() - 60)] == ["1-k2-kl"]
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_a_sweep_whose_points_would_share_one_directory_is_refused(tmp_path):
+    """hydra.sweep.subdir without the job number put every point in one directory, each superseding
+    the one before (hostile round 2): refused before any point runs."""
+    r = subprocess.run([str(BIN / "mtp-train"), "-m", "debug=smoke", "heads.k=2,3", "hydra.sweep.subdir=same",
+                        f"hydra.sweep.dir={tmp_path}/sweep", f"paths.root_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().startswith("error: hydra.sweep.subdir=same: the sweep's points would share one "
+                                       "directory") and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert not (tmp_path / "sweep" / "same").exists()
+
+
 def test_point_names_come_from_the_swept_values():
     from mtp_train.cli.sweep import point_values
     from mtp_train.tracking import MAX_NAME, point_name
@@ -229,6 +258,13 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_before_hydra_wri
     a_file.write_text("x")
     assert "Not a directory" in unwritable_reason(a_file / "run")
     assert unwritable_reason(tmp_path / "new" / "run") is None and (tmp_path / "new" / "run").is_dir()
+    # a directory of 4,000 characters can be made, but the run's files below it pass PATH_MAX (an
+    # OSError traceback mid-run, hostile round 3): refused up front
+    deep, left = tmp_path, 4000 - len(str(tmp_path))
+    while left > 1:
+        part = "e" * min(200, left - 1)
+        deep, left = deep / part, left - len(part) - 1
+    assert len(str(deep)) >= 3990 and "too near the system's limit of 4096" in unwritable_reason(deep)
     for args, key in ((["debug=smoke", f"hydra.run.dir={a_file}/run"], "hydra.run.dir"),
                       (["-m", "debug=smoke", "hydra.sweep.dir=/proc/mtp-no-such"], "hydra.sweep.dir")):
         r = subprocess.run([str(BIN / "mtp-train"), *args, f"paths.root_dir={tmp_path}"],
@@ -236,3 +272,28 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_before_hydra_wri
         assert r.returncode == 2, r.stderr[-2000:]
         assert r.stderr.strip().startswith(f"error: {key}=") and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert "cannot write there" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.bad_input
+@pytest.mark.integration
+def test_a_command_refuses_another_commands_run_directory_before_hydra_writes_there(tmp_path):
+    """mtp-eval with hydra.run.dir = mtp-train's run wrote its .hydra/ over the run's own (hostile
+    round 3, P1): exit 2, one line naming the key and the owner, the run's record untouched."""
+    from mtp_train.cli.sweep import other_commands_run
+
+    run = tmp_path / "train"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "heads.json").write_text("{}")
+    (run / ".hydra" / "config.yaml").write_text("mine: true\n")
+    assert other_commands_run(run, "train") is None
+    assert other_commands_run(run, "eval") == ("mtp-train", "heads.json")
+    (tmp_path / "clp").mkdir()
+    (tmp_path / "clp" / "stage_times.json").write_text("{}")
+    assert other_commands_run(tmp_path / "clp", "eval") == ("mtp-clp", "stage_times.json")
+    assert other_commands_run(tmp_path / "clp", "clp") is None
+    r = subprocess.run([str(BIN / "mtp-eval"), "debug=smoke", f"eval.train_run={run}", f"hydra.run.dir={run}",
+                        f"paths.root_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == (f"error: hydra.run.dir={run}: this is mtp-train's run directory (heads.json is there); "
+                                "mtp-eval writes its own: choose another hydra.run.dir"), r.stderr[-2000:]
+    assert (run / ".hydra" / "config.yaml").read_text() == "mine: true\n"

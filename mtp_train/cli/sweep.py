@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
+from mtp_train import layout
 from mtp_train.layout import FAILED
 from mtp_train.tracking import SweepPoint, point_name
 
@@ -107,12 +108,38 @@ def unwritable_reason(directory: Path) -> str | None:
             pass
     except OSError as e:
         return f"{e.filename or d}: {e.strerror}"
+    import os
+
+    # the run's files go up to two folders and ~80 characters below it (checkpoints, csv/version_0,
+    # temporary names): a directory this close to the system's path limit fails there, mid-run
+    limit = os.pathconf(d, "PC_PATH_MAX")
+    if len(str(d.resolve())) + RUN_FILES_DEPTH > limit:
+        return f"its path is {len(str(d.resolve()))} characters long, too near the system's limit of {limit} for the files a run writes below it"
+    return None
+
+
+RUN_FILES_DEPTH = 160  # characters the deepest file of a run adds below its directory, with margin
+
+
+# what each Hydra command leaves in its own run directory (by its job name: the entry point's file)
+_STAGE_MARKERS = {"train": (layout.HEADS_META, layout.CHECKPOINTS), "eval": (layout.EVAL_REPORT,),
+                  "clp": (layout.STAGE_TIMES, layout.LABELS)}
+_COMMANDS = {"train": "mtp-train", "eval": "mtp-eval", "clp": "mtp-clp", "prep": "mtp-prep"}
+
+
+def other_commands_run(directory: Path, job: str) -> tuple[str, str] | None:
+    """(command, file) when `directory` is the run directory of another command than `job`: Hydra
+    would write this command's .hydra/ record over that run's own."""
+    for owner, names in _STAGE_MARKERS.items():
+        if owner != job and (found := next((n for n in names if (directory / n).exists()), None)):
+            return _COMMANDS[owner], found
     return None
 
 
 class OutputDirCheck(Callback):
     """Hydra callback: before a run (or a multirun) writes its .hydra/ record, refuse in one line an
-    output directory that cannot be written, instead of Hydra's traceback from its mkdir."""
+    output directory that cannot be written, instead of Hydra's traceback from its mkdir, and one that
+    is another command's run directory (mtp-eval into mtp-train's run overwrote that run's .hydra/)."""
 
     @staticmethod
     def _check(key: str, directory) -> None:
@@ -124,10 +151,28 @@ class OutputDirCheck(Callback):
             raise SystemExit(2)
 
     def on_run_start(self, config, **kwargs) -> None:
+        import sys
+
         self._check("hydra.run.dir", config.hydra.run.dir)
+        job = str(config.hydra.job.name)
+        if job in _COMMANDS and (found := other_commands_run(Path(str(config.hydra.run.dir)), job)):
+            print(f"error: hydra.run.dir={config.hydra.run.dir}: this is {found[0]}'s run directory ({found[1]} is "
+                  f"there); {_COMMANDS[job]} writes its own: choose another hydra.run.dir", file=sys.stderr)
+            raise SystemExit(2)
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        import sys
+
+        from omegaconf import OmegaConf
+
         self._check("hydra.sweep.dir", config.hydra.sweep.dir)
+        subdir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir"))
+        if "hydra.job.num" not in subdir and "hydra.job.override_dirname" not in subdir:
+            # every point would train into one directory, each superseding the one before
+            print(f"error: hydra.sweep.subdir={subdir}: the sweep's points would share one directory; it must "
+                  "name each point (${hydra.job.num}, as the default ${mtp_point_dir:${hydra.job.num}} does)",
+                  file=sys.stderr)
+            raise SystemExit(2)
 
 
 FAILED_POINTS: list[Path] = []  # the FAILED.txt of the multirun this process just ran (its exit code)
@@ -145,11 +190,11 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         # only this multirun's failures (a reused sweep directory may hold older points' FAILED.txt)
-        since = getattr(self, "_started", 0.0)
+        since = getattr(self, "_started", 1.0) - 1.0  # file times come from a coarse clock
         FAILED_POINTS[:] = sorted(f for f in Path(str(config.hydra.sweep.dir)).glob(f"*/{FAILED}")
                                   if f.stat().st_mtime >= since)
         if config.hydra.job.name != "train":  # only mtp-train's points hold heads.json
             return
         from mtp_train.sweep import summarize
 
-        summarize(config, str(config.hydra.sweep.dir))
+        summarize(config, str(config.hydra.sweep.dir), since=since)
