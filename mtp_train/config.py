@@ -12,6 +12,7 @@ a loss or trainer value it never uses does not stop it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,8 @@ class LossConfig:
         check_choice(self.name, LOSS_NAMES, "loss.name")
         check_choice(self.segment_rule, SEGMENT_RULES, "loss.segment_rule")
         check(self.zscore_window >= 2, "loss.zscore_window", "must be >= 2")
+        for key in ("theta", "zscore_threshold", "topk_weight"):  # nan compares false: a mask that never fires
+            check(math.isfinite(getattr(self, key)), f"loss.{key}", f"must be a finite number, got {getattr(self, key)}")
         check(self.topk >= 0, "loss.topk", f"must be >= 0 (0 = off), got {self.topk}")
         check(self.topk_weight >= 0, "loss.topk_weight", f"must be >= 0, got {self.topk_weight}")
         if self.depth_weights is not None:
@@ -391,8 +394,8 @@ class ClpConfig:
     batch_size: int = 256
     lr: float = 3e-3
     calib_prompts: int = 6  # held-out prompts decoded per threshold
-    # CLP commits m drafts unverified where P(L >= m) >= threshold; calibration keeps the fastest
-    # of these within the bounds below (a threshold of 1.0 commits none)
+    # CLP commits m drafts unverified where P(L >= m) >= threshold; calibration keeps the one with
+    # the most tokens per step (tau) within the bounds below (a threshold of 1.0 commits none)
     thresholds: list[float] = field(default_factory=lambda: [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
     max_repetition_increase: float = 0.02  # calibration bounds against plain greedy decoding
     max_nll_increase: float = 0.10  # nats per token
@@ -521,6 +524,13 @@ class PathsConfig:
     cache_dir: str = MISSING  # converted backbones and other reusable artifacts
     data_dir: str = MISSING  # prepared datasets
     output_dir: str = MISSING  # this run's Hydra output directory
+
+    def __post_init__(self) -> None:
+        for key in ("root_dir", "data_dir", "cache_dir"):  # a file there failed later, blaming a manifest
+            value = getattr(self, key)
+            check(not (isinstance(value, str) and os.path.exists(value) and not os.path.isdir(value)),
+                  f"paths.{key}", f"{value} is a file, not a directory"
+                  + (" (paths.root_dir comes from $MTP_ROOT when it is set)" if key == "root_dir" else ""))
 
 
 @dataclass

@@ -35,6 +35,11 @@ def strategy_name(strategy: Any) -> str:
     return "deepspeed" if "deepspeed" in target.lower() else target.rsplit(".", 1)[-1].lower()
 
 
+# what trainer.precision may be: Lightning's names for the precisions the heads train in (16-mixed for
+# GPUs without bf16), and auto (mtp_train/lit/step_options.py); 64-true and the rest are not offered
+TRAIN_PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "16-mixed")
+
+
 def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = None,
                   multirun: bool = False, heads_given: bool = False) -> None:
     """Refuse a trainer config this machine cannot run, naming the key, before Lightning starts.
@@ -50,9 +55,11 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"trainer.{key}: {value!r} is not a number")
     vci = trainer.get("val_check_interval")
-    if vci is not None and vci <= 0:
-        raise ConfigError(f"trainer.val_check_interval: {vci}; give a positive number of steps (or a "
-                          "fraction of an epoch)")
+    if vci is not None and (not isinstance(vci, int) or vci <= 0):
+        # validation counts steps across epochs (check_val_every_n_epoch: null), and the periodic
+        # checkpoint is saved at the same steps: a whole number of steps, not a fraction of an epoch
+        raise ConfigError(f"trainer.val_check_interval: {vci}; give a whole positive number of training steps "
+                          "(validation and the periodic checkpoint run every that many steps)")
     if steps is not None and ((steps == 0 and not heads_given) or steps < -1):
         raise ConfigError(f"trainer.max_steps: {steps} trains nothing (and would write untrained heads); "
                           "give a positive number, or -1 to let trainer.max_epochs decide")
@@ -62,6 +69,10 @@ def check_trainer(trainer: dict, gpus: int | None = None, cpus: int | None = Non
         raise ConfigError(f"trainer.max_steps: {steps} leaves the length of training to trainer.max_epochs, "
                           f"which is {epochs} (Lightning would then train 1000 epochs); give max_steps, a "
                           "positive trainer.max_epochs, or trainer.max_time")
+    precision = str(trainer.get("precision", "32-true"))
+    if precision not in TRAIN_PRECISIONS:
+        raise ConfigError(f"trainer.precision: {precision!r}; the heads train in one of "
+                          f"{', '.join(TRAIN_PRECISIONS)} (auto: bf16-mixed or 32-true, whichever is faster here)")
     clip = trainer.get("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                              or not math.isfinite(clip) or clip < 0):

@@ -99,7 +99,12 @@ def identity(experiment_name: str, job_type: str) -> RunIdentity:
 def offline_without_key() -> bool:
     """Without WANDB_API_KEY, W&B runs offline (<dir>/wandb/offline-run-*, `wandb sync` later): never a
     login prompt on these machines. True when offline."""
-    if os.environ.get("WANDB_API_KEY"):
+    if key := os.environ.get("WANDB_API_KEY"):
+        if len(key.strip()) < 40:  # W&B's own rule; caught here before a login attempt and its traceback
+            from mtp_train.errors import ConfigError
+
+            raise ConfigError(f"WANDB_API_KEY: has {len(key.strip())} characters, and W&B keys have 40 or more; "
+                              "fix it, or unset it to log offline (`wandb sync` later)")
         return False
     os.environ["WANDB_MODE"] = "offline"
     return True

@@ -312,5 +312,8 @@ def test_a_resumed_run_with_another_save_interval_keeps_saving_to_the_checkpoint
     run_train(typed_cfg(*FAST, "heads.k=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
                         f"paths.output_dir={run}"))
     run_train(typed_cfg(*FAST, "heads.k=2", "trainer.max_steps=9", "trainer.val_check_interval=3",
-                        f"paths.output_dir={run}"))
+                        "trainer.precision=bf16-mixed", f"paths.output_dir={run}"))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    # resumed in another precision: heads.json names both, in order, not the last only (hostile round 3)
+    record = json.loads((run / "heads.json").read_text())["recipe"]["precision"]
+    assert record["used"] == "bf16-mixed" and record["history"] == ["32-true", "bf16-mixed"]

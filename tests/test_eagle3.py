@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mtp_train.config import HeadsConfig
+from mtp_train.errors import ConfigError
 from mtp_train.evaluation.decode import decode
 from mtp_train.heads.eagle3 import default_aux_layers
 from mtp_train.heads.persist import build_heads
@@ -187,6 +188,11 @@ def test_the_cache_stores_the_auxiliary_layers_and_training_from_it_matches_live
     assert key != plain_key  # the layer ids are part of the key
     cache = HiddenCache(path)
     assert cache.aux_layers == [1]
+    # layers past the backbone's depth are refused by the cache stage as by mtp-train (prep wrote a
+    # cache that training then refused, hostile round 3)
+    deep = typed_cfg(*FAST, "heads=eagle3", "heads.k=2", "heads.aux_layers=[0,1,2]")
+    with pytest.raises(ConfigError, match=r"heads\.aux_layers must be distinct layer ids in \[0, 1\] for a backbone with 2"):
+        run_prep(dataclasses.replace(deep, stage="cache"))
     splits = load_splits(data_dirs(cfg))
     ids = torch.tensor([splits["train"][3]["input_ids"][:96]])
     with torch.no_grad():

@@ -202,6 +202,13 @@ def test_rows_with_bytes_that_are_not_utf8_are_dropped_by_line_not_kept_with_rep
     with caplog.at_level(logging.WARNING):
         _report_source(DataConfig(name="j", source="jsonl", path=str(jsonl), output_dir="x"), stats, 2)
     assert "1 bytes that are not UTF-8" in caplog.text and "line(s) 2" in caplog.text
+    # a whole file in Latin-1 is named as an encoding problem, not as "no JSON object" (hostile round 3)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "café", "response": "déjà vu"}\n{"prompt": "naïve", "response": "x"}\n'
+                      .encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin\.jsonl: not UTF-8: 2 line\(s\) hold bytes that are not UTF-8 "
+                                        r"\(first at line 1\).*iconv -f latin1 -t utf-8"):
+        list(sources.read_jsonl(latin, sources.SourceStats(), keep_prompt_only=False))
 
     array = tmp_path / "sg.json"
     array.write_bytes(json.dumps(GOOD[:2], indent=2).replace('"Hello!"', '"Hello\\u0021 @"').encode()

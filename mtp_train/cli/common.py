@@ -76,6 +76,13 @@ def write_failure(error: BaseException) -> str | None:
     return None
 
 
+def wandb_failure(error: BaseException) -> str:
+    """One line for an error W&B raised (an invalid key, a server out of reach after its timeout)."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return (f"{type(error).__name__}: {first}; what was saved is kept. Log offline with "
+            "WANDB_MODE=offline (or unset WANDB_API_KEY) and `wandb sync` the run later")
+
+
 def run_app(app) -> None:
     """Run a Hydra entry point; after a multirun whose points did not all succeed, name them and exit 1
     (the other points ran: a failed one does not stop the sweep, but the command does not pass)."""
@@ -146,6 +153,9 @@ def entry(task):
                 return _record_failure(e)
             if isinstance(e, MtpError):
                 print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+            if type(e).__module__.startswith("wandb"):  # W&B refused the key, or its server is out of reach
+                print(f"error: W&B: {wandb_failure(e)}", file=sys.stderr)
                 raise SystemExit(2) from None
             if (what := write_failure(e)) is not None:
                 print(f"error: {what}; nothing unfinished was published (free space or fix permissions, then "

@@ -270,6 +270,10 @@ def read_jsonl(path: Path, stats: SourceStats, keep_prompt_only: bool) -> Iterat
             if conv is not None:
                 yield conv
     if stats.parsed == 0:
+        if stats.dropped.get(NOT_UTF8_REASON) and not stats.dropped.get("malformed JSON line"):
+            raise DataError(f"{path}: not UTF-8: {stats.dropped[NOT_UTF8_REASON]} line(s) hold bytes that are not "
+                            f"UTF-8 (first at line {stats.lines[NOT_UTF8_REASON][0]}) and no line could be read; "
+                            "the file is in another encoding (Latin-1?): convert it, e.g. `iconv -f latin1 -t utf-8`")
         raise DataError(f"{path}: no line of this file is a JSON object "
                         '(expected {"prompt": ...} or {"messages": [...]} per line)')
 

@@ -159,18 +159,20 @@ class Eagle3Heads(DraftHeads):
     def from_config(cls, cfg, backbone, draft_ids=None) -> Eagle3Heads:
         copy = backbone.lm_head.weight.detach() if cfg.lm_head == "copy" else None
         aux = cls.aux_layers_for(cfg, backbone.config)
-        try:  # layers past the backbone's depth are the config's fault
-            check_aux_layers(aux, backbone.config.num_hidden_layers)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         return cls(backbone.config, cfg.k, aux, copy, draft_ids=draft_ids,
                    norm_before_residual=cfg.norm_before_residual)
 
     @classmethod
     def aux_layers_for(cls, cfg, backbone_config) -> list[int]:
-        if cfg.aux_layers is not None:
-            return list(cfg.aux_layers)
-        return default_aux_layers(backbone_config.num_hidden_layers)
+        """heads.aux_layers, or EAGLE-3's default; layers past the backbone's depth are refused here,
+        so mtp-prep's cache and mtp-train agree (prep once wrote a cache train then refused)."""
+        n = backbone_config.num_hidden_layers
+        aux = list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(n)
+        try:
+            check_aux_layers(aux, n)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return aux
 
     @property
     def layer(self) -> Eagle3Layer:

@@ -200,6 +200,9 @@ class MTPDataModule(L.LightningDataModule):
                                      ("validation", splits["validation"], range(len(splits["validation"])))):
                 # row by row, stopping at the first answer token (not the whole labels column)
                 if not any(any(v != IGNORE for v in rows[i]["labels"][: self.max_length]) for i in idx):
+                    if any(any(v != IGNORE for v in rows[i]["labels"]) for i in idx):
+                        raise DataError(f"train.max_length={self.max_length}: crops every answer token off the "
+                                        f"{split} rows (their prompts are longer); raise train.max_length")
                     raise DataError(f"{', '.join(map(str, self.dirs))}: the {split} rows hold no answer token "
                                     "to learn from (prompt-only rows?); add assistant turns, or train on "
                                     "self-distilled answers (train.data_use=distilled)")

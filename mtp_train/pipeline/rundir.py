@@ -104,9 +104,10 @@ def supersede(run_dir: Path, old_recipe: str) -> Path:
 
 
 def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: bool,
-                         write: bool = True, recipe: str | None = None) -> None:
+                         write: bool = True, recipe: str | None = None, precision: str | None = None) -> None:
     """A run directory remembers what its checkpoints were made for; resuming with other heads or
-    another backbone is refused before Lightning tries (and fails deep inside) to load them."""
+    another backbone is refused before Lightning tries (and fails deep inside) to load them. It also
+    keeps the precisions the run trained in, in order (`precisions`: a resume in another one adds it)."""
     from mtp_train.artifacts import read_json, write_json_atomic
 
     meta = {"backbone": backbone.name, "hidden_size": backbone.hidden_size,
@@ -114,6 +115,8 @@ def check_resume_matches(run_dir: Path, heads, backbone, cfg: Config, resuming: 
             "heads": {n: list(t.shape) for n, t in heads.state_dict().items()}, "recipe": recipe,
             "fingerprint": backbone.fingerprint()}  # export --checkpoint checks a foreign run's weights
     old = read_json(run_dir / layout.RUN_META)
+    before = list((old or {}).get("precisions") or []) if resuming else []
+    meta["precisions"] = before + ([precision] if precision and (not before or before[-1] != precision) else [])
     if resuming and old is not None:
         for key in ("backbone", "hidden_size", "vocab_size", "head_type", "k", "heads"):
             if old.get(key) != meta[key]:
@@ -227,12 +230,14 @@ def check_checkpoint_shapes(last: Path, ckpt: dict, heads) -> None:
                           "shape); use a new hydra.run.dir, or the heads= settings it was made with")
 
 
-def check_resume(run_dir: Path, last: Path, heads, backbone, cfg: Config, recipe: str, write: bool) -> bool:
+def check_resume(run_dir: Path, last: Path, heads, backbone, cfg: Config, recipe: str, write: bool,
+                 precision: str | None = None) -> bool:
     """Whether training resumes from `last` (checkpoints/last.ckpt): refused when it was made for
     other heads or another backbone, is unreadable, or is already past trainer.max_steps. Records
     what the checkpoints are made for (run_meta.json) when `write`."""
     resuming = last.exists()
-    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=write, recipe=recipe)
+    check_resume_matches(run_dir, heads, backbone, cfg, resuming=resuming, write=write, recipe=recipe,
+                         precision=precision)
     if resuming:
         ckpt = check_readable(last, run_dir)
         step = None

@@ -8,6 +8,7 @@ import logging
 import os
 import platform
 import time
+import warnings
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -385,13 +386,25 @@ def _run_train(cfg: Config) -> dict:
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
-    resuming = check_resume(run_dir, last, heads, backbone, cfg, recipe, write=trainer.is_global_zero)
+    resuming = check_resume(run_dir, last, heads, backbone, cfg, recipe, write=trainer.is_global_zero,
+                            precision=None if import_only else precision)
+    from mtp_train.artifacts import read_json
+
+    if len(used := (read_json(run_dir / layout.RUN_META) or {}).get("precisions") or []) > 1:
+        # resumed in another precision: heads.json says every one the run trained in, not the last only
+        log.warning("this run trained in %s, in that order (trainer.precision changed across a resume)",
+                    " then ".join(used))
+        precision_record = {**precision_record, "history": used}
     if trainer.is_global_zero:  # what export reads: no other command writes it (the lock)
         from mtp_train.artifacts import write_text_atomic
 
         write_text_atomic(run_dir / layout.RUN_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if not import_only:
-        with resume_loads_weights_only(last if resuming else None) as extra:
+        with resume_loads_weights_only(last if resuming else None) as extra, warnings.catch_warnings():
+            # Lightning warns that a mid-epoch resume with a dataloader it cannot checkpoint is
+            # unreliable; ours skips exactly the rows the run saw (lit/data.py ResumableSampler), and a
+            # killed-and-resumed run ends with bit-identical heads (tests/test_train.py)
+            warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
             trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
         # last.ckpt holds the final weights, whatever step the last periodic save was at (an export
         # from it must give the heads written below, not older ones)
