@@ -105,9 +105,34 @@ def offline_without_key() -> bool:
 
             raise ConfigError(f"WANDB_API_KEY: has {len(key.strip())} characters, and W&B keys have 40 or more; "
                               "fix it, or unset it to log offline (`wandb sync` later)")
-        return False
+        if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+            return True
+        if (why := server_out_of_reach()) is None:
+            return False
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "W&B: %s; logging offline instead (the run's wandb/offline-run-* folder; `wandb sync` it later)", why)
     os.environ["WANDB_MODE"] = "offline"
     return True
+
+
+REACH_TIMEOUT_S = 5.0  # W&B's own init waits 90 s and then raises; a compute node without internet is common
+
+
+def server_out_of_reach(timeout: float = REACH_TIMEOUT_S) -> str | None:
+    """Why W&B's server (WANDB_BASE_URL, else api.wandb.ai) cannot be reached from here, or None when a
+    TCP connection to it opens within `timeout` seconds."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"{host}:{port} cannot be reached from this machine ({err.strerror or type(err).__name__})"
+    return None
 
 
 def wandb_init(cfg, job_type: str, directory: str | Path, **kwargs):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -453,7 +456,7 @@ def test_a_root_that_is_a_file_is_named_not_a_manifest_below_it(typed_cfg, tmp_p
 
 
 @pytest.mark.bad_input
-def test_a_bad_wandb_key_and_an_error_wandb_raises_are_one_line(compose_cfg, monkeypatch, capsys):
+def test_a_bad_wandb_key_and_an_error_wandb_raises_are_one_line(compose_cfg, monkeypatch, capsys, caplog):
     """A 6-character WANDB_API_KEY, or W&B's server out of reach, ended in W&B's tracebacks (hostile
     round 3): the key is refused naming it before any login, and what W&B raises is one line, exit 2."""
     from mtp_train.cli.common import entry
@@ -463,7 +466,18 @@ def test_a_bad_wandb_key_and_an_error_wandb_raises_are_one_line(compose_cfg, mon
     with pytest.raises(ConfigError, match=r"^WANDB_API_KEY: has 6 characters, and W&B keys have 40 or more"):
         offline_without_key()
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
-    assert offline_without_key() is False
+    monkeypatch.setenv("WANDB_MODE", "online")  # recorded, so the teardown undoes what the code sets
+    monkeypatch.delenv("WANDB_MODE")
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a server that answers: online
+        port = server.getsockname()[1]
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+        assert offline_without_key() is False and "WANDB_MODE" not in os.environ
+    # W&B's server out of reach (a compute node without internet): offline at once, said in one
+    # warning, where wandb.init waited 90 s and raised
+    # the same port, closed now
+    with caplog.at_level(logging.WARNING, logger="mtp_train.tracking"):
+        assert offline_without_key() is True and os.environ["WANDB_MODE"] == "offline"
+    assert "cannot be reached from this machine" in caplog.text and "logging offline" in caplog.text
     comm_error = type("CommError", (Exception,), {"__module__": "wandb.errors.errors"})
 
     def task(cfg, typed):
