@@ -10,6 +10,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_NAMES = ("ce", "kl", "tv", "e2e_tv")
 SEGMENT_RULES = ("diff", "zscore")  # AdaMTP's entropy-surge rule
 LR_SCHEDULES = ("cosine", "constant", "wsd")
+COMPILE_MODES = ("off", "on", "auto")  # train.compile: torch.compile of the heads' forward
 DATA_USES = ("distilled", "labelled", "mix")  # train.data_use: which prepared datasets train
 PREDICTOR_KINDS = ("clp", "gate")  # mtp-clp's span-length predictors (clp.kinds)
 LABEL_SOURCES = ("auto", "cache", "decode")  # clp.label_source

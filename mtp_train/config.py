@@ -22,6 +22,7 @@ from mtp_train.choices import (
     ADAPTIVE_POLICIES,
     BACKBONE_SOURCES,
     DATA_SOURCES,
+    COMPILE_MODES,
     DATA_USES,
     DTYPES,
     EVAL_DTYPES,
@@ -322,9 +323,15 @@ class TrainConfig:
     # uniform noise on the states the heads read while training, in [-x, x] x each vector's RMS
     # (EAGLE's trick for the drift of fed-back states; 0: none)
     feature_noise: float = 0.0
+    # torch.compile of the heads' forward while training: off, on, or auto (on a CPU, time a compiled
+    # step against an eager one on the first batches and keep whichever is faster; skipped when the
+    # run is too short to pay the compile back). Weights and checkpoints are the same either way
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         check_choice(self.data_use, DATA_USES, "train.data_use")
+        self.compile = {"true": "on", "false": "off"}.get(str(self.compile).lower(), str(self.compile).lower())
+        check_choice(self.compile, COMPILE_MODES, "train.compile")
         check(self.time_budget_min is None or (math.isfinite(self.time_budget_min) and self.time_budget_min > 0),
               "train.time_budget_min", f"must be a number of minutes > 0 or null, got {self.time_budget_min}")
         check(self.min_steps >= 1, "train.min_steps", f"must be >= 1, got {self.min_steps}")

@@ -13,9 +13,9 @@ from tests.helpers import run_train
 FAST = ["debug=smoke"]
 
 
-def fake_timings(fp32: float, bf16: float):
+def fake_timings(fp32: float, bf16: float, **more: float):
     def timed(backbone, heads, loss_cfg, train_cfg, batches, options, rounds=2):
-        per = {"fp32": fp32, "bf16": bf16}
+        per = {"fp32": fp32, "bf16": bf16, **{k.replace("_", "+"): v for k, v in more.items()}}
         return {n: {"first_s": 1.0, "round_s": [per[n] * (len(batches) - 1)] * rounds} for n in options}
     return timed
 
@@ -81,3 +81,63 @@ def test_mtp_train_with_precision_auto_records_its_choice(typed_cfg, tmp_path):
         assert (p["used"] == "bf16-mixed") == (p["bf16_gain"] >= 1.1)
     else:
         assert p["used"] == "32-true" and "no native bf16" in p["why"]
+
+
+@pytest.mark.parametrize("precision,eager,compiled,expected", [
+    ("bf16-mixed", 1.0, 0.8, True),   # 1.25x: compiled
+    ("32-true", 1.0, 0.97, False),    # within COMPILE_MIN_GAIN: eager
+    ("32-true", 1.0, 1.3, False),     # compiled slower: eager
+])
+def test_compile_auto_keeps_a_compiled_step_only_when_it_is_clearly_faster(monkeypatch, precision, eager, compiled,
+                                                                           expected):
+    import mtp_train.lit.step_options as so
+
+    base = "bf16" if precision.startswith("bf16") else "fp32"
+    monkeypatch.setattr(so, "time_options", fake_timings(eager, eager, **{f"{base}_compile": compiled}))
+    choice, record = so.choose_compile(None, None, None, None, [{}] * 4, precision)
+    assert choice is expected and record["precision"] == base
+    assert record["step_s"] == {base: eager, f"{base}+compile": compiled}
+    assert record["compile_gain"] == pytest.approx(eager / compiled, abs=1e-3) and record["compile_s"] == 1.0
+
+
+def test_compile_auto_trains_eager_when_the_compile_fails(monkeypatch):
+    """No C++ compiler, or an operator Inductor cannot lower: eager, with the error in the record."""
+    import mtp_train.lit.step_options as so
+
+    def broken(*a, **k):
+        raise RuntimeError("InductorError: CppCompileError: C++ compile error\n(long log)")
+
+    monkeypatch.setattr(so, "time_options", broken)
+    choice, record = so.choose_compile(None, None, None, None, [{}] * 4, "32-true")
+    assert choice is False and record["why"] == "torch.compile failed: RuntimeError: InductorError: CppCompileError: C++ compile error"
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), ("on", "on"), ("true", "on"), ("False", "off")])
+def test_train_compile_takes_on_off_auto_and_booleans(typed_cfg, value, expected):
+    assert typed_cfg(f"train.compile={value}").train.compile == expected
+
+
+def test_train_compile_names_a_bad_value(typed_cfg):
+    from mtp_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train\.compile: unknown value 'sometimes'; choose one of off, on, auto"):
+        typed_cfg("train.compile=sometimes")
+
+
+@pytest.mark.integration
+def test_compiled_heads_train_to_the_eager_weights_and_a_short_auto_run_skips_the_compile(typed_cfg, tmp_path):
+    """train.compile=on compiles the heads' forward in place: the same steps from the same start give
+    the eager run's weights (to float32 rounding) under the same tensor names, and heads.json says it
+    was compiled. train.compile=auto on a run too short to pay a compile back trains eager, untimed."""
+    from safetensors.torch import load_file
+
+    common = [*FAST, "heads.k=2", "trainer.max_steps=4"]
+    run_train(typed_cfg(*common, "train.compile=on", f"paths.output_dir={tmp_path}/on"))
+    run_train(typed_cfg(*common, "train.compile=auto", f"paths.output_dir={tmp_path}/auto"))
+    on, auto = (json.loads((tmp_path / d / "heads.json").read_text())["recipe"]["compile"] for d in ("on", "auto"))
+    assert on == {"used": True, "why": "train.compile=on"}
+    assert auto["used"] is False and "too few steps to pay a compile back" in auto["why"]
+    a, b = load_file(tmp_path / "on" / "heads.safetensors"), load_file(tmp_path / "auto" / "heads.safetensors")
+    assert sorted(a) == sorted(b)
+    moved = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert moved < 1e-5, moved

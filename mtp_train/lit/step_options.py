@@ -6,7 +6,8 @@ option gets its own copy of the same initial heads and its own AdamW, runs one u
 (for compile: the compile), then whole steps (forward, loss, backward, optimizer) over the same
 batches, in a rotating order per round, so that a machine that speeds up or slows down favours
 none. bench/step_options.py prints the table; mtp-train with trainer.precision=auto runs the fp32
-and bf16 options on its first batches and trains in the faster (docs/training.md, "Faster steps").
+and bf16 options on its first batches and trains in the faster; with train.compile=auto it then times
+that precision compiled against eager and keeps the faster (docs/training.md, "Faster steps").
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ log = logging.getLogger(__name__)
 # a bf16 step must be at least this much faster to be chosen: bf16 rounds the heads' activations,
 # so a tie goes to float32
 AUTO_MIN_GAIN = 1.1
+# a compiled step must be at least this much faster to be kept (the compile is already paid by then)
+COMPILE_MIN_GAIN = 1.05
+# train.compile=auto times nothing for a run planned shorter than this: the compile (30-40 s on a
+# 2-core EPYC, about 3x that on a first-generation Zen) and its timing would not be paid back
+COMPILE_MIN_SECONDS = 300.0
 
 
 def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], options: list[str],
@@ -37,7 +43,7 @@ def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], opti
         module = MTPHeadsModule(backbone, own, loss_cfg, train_cfg)
         module.log = lambda *a, **k: None  # no trainer here: nothing is logged
         if "compile" in parts:
-            module.heads = torch.compile(own, dynamic=True)
+            own.compile(dynamic=True)  # in place, as training compiles: the same state dict keys
         setups[name] = (module, torch.optim.AdamW(own.parameters(), lr=train_cfg.lr), "bf16" in parts)
 
     def step(name: str, batch: dict) -> float:
@@ -76,4 +82,31 @@ def choose_precision(backbone, heads, loss_cfg, train_cfg, batches: list[dict], 
     record.update(step_s={n: round(v, 4) for n, v in sec.items()}, bf16_gain=round(gain, 3))
     log.info("trainer.precision=auto on %s: float32 %.3f s a step, bf16 %.3f s (%.2fx) -> %s", record["cpu"],
              sec["fp32"], sec["bf16"], gain, choice)
+    return choice, record
+
+
+def choose_compile(backbone, heads, loss_cfg, train_cfg, batches: list[dict], precision: str,
+                   rounds: int = 2) -> tuple[bool, dict]:
+    """train.compile=auto: whether the heads' forward trains faster compiled, in the precision
+    training runs in, timed on these batches; with the timings. A compile that fails (no C++
+    compiler, an operator Inductor cannot lower) is eager with the error recorded, not a failed run."""
+    from mtp_train.evaluation.machine import cpu_model
+
+    base = "bf16" if str(precision).startswith("bf16") else "fp32"
+    record = {"cpu": cpu_model(), "precision": base}
+    try:
+        t = time_options(backbone, heads, loss_cfg, train_cfg, batches, [base, f"{base}+compile"], rounds)
+    except Exception as err:  # noqa: BLE001 - any compiler failure means: train eager
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        log.warning("train.compile=auto: torch.compile failed here (%s: %s); training eager", type(err).__name__, first)
+        return False, {**record, "why": f"torch.compile failed: {type(err).__name__}: {first}"}
+    steps = len(batches) - 1
+    sec = {n: statistics.median(v["round_s"]) / steps for n, v in t.items()}
+    gain = sec[base] / sec[f"{base}+compile"]
+    choice = gain >= COMPILE_MIN_GAIN
+    record.update(step_s={n: round(v, 4) for n, v in sec.items()}, compile_gain=round(gain, 3),
+                  compile_s=round(t[f"{base}+compile"]["first_s"], 1))
+    log.info("train.compile=auto on %s: eager %.3f s a step, compiled %.3f s (%.2fx; the compile took %.0f s) -> %s",
+             record["cpu"], sec[base], sec[f"{base}+compile"], gain, record["compile_s"],
+             "compiled" if choice else "eager")
     return choice, record

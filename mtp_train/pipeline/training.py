@@ -263,6 +263,43 @@ def resolve_precision(cfg: Config, backbone, heads, dm) -> tuple[str, dict]:
     return choose_precision(backbone, heads, cfg.loss, cfg.train, batches)
 
 
+def resolve_compile(cfg: Config, backbone, heads, dm, precision: str, budget, world_size: int) -> tuple[bool, dict]:
+    """train.compile: whether the heads' forward trains compiled, and why. `auto` times it on a CPU
+    on the first training batches in the chosen precision (mtp_train/lit/step_options.py), unless
+    the run is too short to pay a compile back; `on` compiles without timing."""
+    mode = cfg.train.compile
+    if mode == "off":
+        return False, {}
+    strategy = str(cfg.trainer.get("strategy") or "auto")
+    if world_size > 1 or "deepspeed" in strategy:
+        if mode == "on":
+            raise ConfigError(f"train.compile=on: compiled heads are tested on one device only, and this run has "
+                              f"{world_size} process(es) with strategy {strategy}; use train.compile=off")
+        return False, {"why": "more than one device or DeepSpeed (compiled heads are tested on one device only)"}
+    if mode == "on":
+        return True, {"why": "train.compile=on"}
+    import torch
+
+    if cfg.trainer.get("accelerator") not in (None, "cpu", "auto") or torch.cuda.is_available():
+        return False, {"why": "not timed on a GPU (train.compile=on compiles there)"}
+    if cfg.backbone.lora.enabled:
+        return False, {"why": "backbone.lora trains through the live backbone (not timed)"}
+    from mtp_train.lit.step_options import COMPILE_MIN_SECONDS, choose_compile
+
+    if budget is not None and budget.seconds < COMPILE_MIN_SECONDS:
+        return False, {"why": f"a {budget.seconds:.0f} s budget is too short to pay a compile back"}
+    if budget is None and (cfg.trainer.get("max_steps") or 0) < COMPILE_MIN_STEPS:
+        return False, {"why": f"trainer.max_steps={cfg.trainer.get('max_steps')} is too few steps to pay a compile back"}
+    dm.setup()
+    batches = [b for _, b in zip(range(4), dm.train_dataloader(), strict=False)]
+    if len(batches) < 2:
+        return False, {"why": "too few training batches to time"}
+    return choose_compile(backbone, heads, cfg.loss, cfg.train, batches, precision)
+
+
+COMPILE_MIN_STEPS = 200  # train.compile=auto without a time budget: fewer steps do not pay a compile back
+
+
 def trained_precision(cfg: Config, meta: dict) -> str:
     """The precision finished heads were trained in (what trainer.precision=auto chose, as heads.json
     records it; float32 when it does not), for the validation a finished run still runs."""
@@ -368,11 +405,13 @@ def _run_train(cfg: Config) -> dict:
                            every_n_train_steps=max(1, cfg.trainer.get("val_check_interval") or 50))
     had_checkpoint = layout.last_checkpoint(run_dir).exists()
     import_only = imported is not None and cfg.trainer.get("max_steps") == 0
+    choose_t0 = time.time()
     if import_only:  # heads trained elsewhere, validated once: nothing to budget or time
         budget, budget_record = None, {}
         precision, precision_record = trained_precision(cfg, {}), {"why": "imported heads, not trained here"}
     elif done is None:  # a finished run only validates once more: nothing to budget or time
         budget, budget_record = time_budget(cfg, backbone, dm, resuming=had_checkpoint)
+        choose_t0 = time.time()
         precision, precision_record = resolve_precision(cfg, backbone, heads, dm)
     else:
         budget, budget_record = None, {}
@@ -386,6 +425,15 @@ def _run_train(cfg: Config) -> dict:
     last = layout.last_checkpoint(run_dir)  # a file, or a directory of ZeRO shards under DeepSpeed
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
+    compiled, compile_record = (False, {}) if import_only else resolve_compile(
+        cfg, backbone, heads, dm, precision, budget, trainer.world_size)
+    if compiled:  # in place: the module, its state dict and its checkpoints are what eager training has
+        heads.compile(dynamic=True)
+    if budget is not None and (chose_s := time.time() - choose_t0) > 1.0:
+        # the timings above ran inside the training time: the budget counts them (as its own clock
+        # starts with the first step)
+        budget.seconds = max(0.0, budget.seconds - chose_s)
+        budget_record = {**budget_record, "choices_s": round(chose_s, 1)}
     resuming = check_resume(run_dir, last, heads, backbone, cfg, recipe, write=trainer.is_global_zero,
                             precision=None if import_only else precision)
     from mtp_train.artifacts import read_json
@@ -424,7 +472,8 @@ def _run_train(cfg: Config) -> dict:
                                                            if imported is not None else None),
                                       "budget": ({**budget.summary(trainer.global_step), **budget_record}
                                                  if budget else None),
-                                      "precision": {"used": str(trainer.precision), **precision_record}})
+                                      "precision": {"used": str(trainer.precision), **precision_record},
+                                      "compile": {"used": compiled, **compile_record}})
             module.rank_stats.save(run_dir / TREE_STATS)
     close_loggers(loggers)
     if trainer.is_global_zero:
