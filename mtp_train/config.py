@@ -21,8 +21,8 @@ from omegaconf import MISSING
 from mtp_train.choices import (
     ADAPTIVE_POLICIES,
     BACKBONE_SOURCES,
-    DATA_SOURCES,
     COMPILE_MODES,
+    DATA_SOURCES,
     DATA_USES,
     DTYPES,
     EVAL_DTYPES,

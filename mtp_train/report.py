@@ -197,7 +197,8 @@ def _predictor_metas(clp_root: Path, heads_sha256: str | None) -> dict:
         pred_dir = layout.predictor_dir(clp_root, kind)
         if m := _json(pred_dir / layout.PREDICTOR_META):
             if problem := predictor_problem(m, pred_dir, heads_sha256):
-                m = {**m, "calibrated": False, "problem": problem}
+                # as_saved: what mtp-clp wrote, whose seal covers `calibrated`
+                m = {**m, "calibrated": False, "problem": problem, "as_saved": m}
             out[kind] = m
     return out
 
@@ -420,7 +421,7 @@ def _write_report(root: Path) -> Path:
 
         md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
         md += [f"| {k} | {m.get('parameters', 0):,} | "
-               f"{_fmt(saved_threshold(m, layout.predictor_dir(clp, k) / layout.PREDICTOR_META), 2)} | "
+               f"{_fmt(saved_threshold(m.get('as_saved', m), layout.predictor_dir(clp, k) / layout.PREDICTOR_META), 2)} | "
                f"{calibrated(m)} |" for k, m in predictors.items()]
         md.append("")
 

@@ -124,10 +124,23 @@ def server_out_of_reach(timeout: float = REACH_TIMEOUT_S) -> str | None:
     """Why W&B's server (WANDB_BASE_URL, else api.wandb.ai) cannot be reached from here, or None when a
     TCP connection to it opens within `timeout` seconds."""
     import socket
+    import urllib.request
     from urllib.parse import urlsplit
 
-    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
-    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+    base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    url = urlsplit(base if "://" in base else f"https://{base}")
+    try:
+        host, port = url.hostname, url.port or (80 if url.scheme.lower() == "http" else 443)
+    except ValueError as err:  # a port that is not a number, or out of range
+        host, port = None, str(err)
+    if not host:
+        from mtp_train.errors import ConfigError
+
+        raise ConfigError(f"WANDB_BASE_URL={base!r}: not a server address ({port or 'no host'}); fix it, or unset it "
+                          "for W&B's own server")
+    proxies = urllib.request.getproxies()
+    if (proxies.get(url.scheme.lower()) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
+        return None  # through a proxy: only W&B itself can tell
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as err:

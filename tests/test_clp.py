@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -360,3 +362,32 @@ def test_damaged_swapped_or_hand_edited_predictors_are_refused(tmp_path):
         saved_threshold({**meta, "threshold": 0.01})
     with pytest.raises(MtpError, match="changed after mtp-clp calibrated it"):
         saved_threshold({**meta, "calibrated": False})
+
+
+@pytest.mark.bad_input
+def test_a_refit_drops_only_predictors_that_say_they_were_fitted_on_other_heads(tmp_path):
+    """mtp-clp with clp.kinds=[clp] after new heads removes gate/'s predictor fitted on the old heads;
+    it keeps one fitted on these heads, one without a heads digest (mtp-eval accepts it), a file that
+    is not a predictor record, and anything else a user put in the folder."""
+    from mtp_train.pipeline.clp_run import drop_stale_predictors
+
+    def gate(meta, extra: bool = False):
+        d = tmp_path / "gate"
+        d.mkdir(exist_ok=True)
+        (d / "predictor.json").write_text(json.dumps(meta))
+        (d / "predictor.safetensors").write_bytes(b"w")
+        if extra:
+            (d / "notes.txt").write_text("mine")
+        return d
+
+    for kept in ({"heads_sha256": "a" * 64}, {"threshold": 0.5}, [1, 2]):
+        d = gate(kept)
+        assert drop_stale_predictors(tmp_path, "a" * 64, ["clp"]) == [] and (d / "predictor.safetensors").exists()
+    d = gate({"heads_sha256": "b" * 64}, extra=True)
+    assert drop_stale_predictors(tmp_path, "a" * 64, ["clp"]) == ["gate"]
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+    d = gate({"heads_sha256": "b" * 64})
+    (d / "notes.txt").unlink()
+    assert drop_stale_predictors(tmp_path, "a" * 64, ["clp"]) == ["gate"] and not d.exists()
+    gate({"heads_sha256": "b" * 64})
+    assert drop_stale_predictors(tmp_path, "a" * 64, ["clp", "gate"]) == []  # refitted: not this function's

@@ -466,6 +466,8 @@ def test_a_bad_wandb_key_and_an_error_wandb_raises_are_one_line(compose_cfg, mon
     with pytest.raises(ConfigError, match=r"^WANDB_API_KEY: has 6 characters, and W&B keys have 40 or more"):
         offline_without_key()
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)  # a machine's own proxy would skip the probe
     monkeypatch.setenv("WANDB_MODE", "online")  # recorded, so the teardown undoes what the code sets
     monkeypatch.delenv("WANDB_MODE")
     with socket.create_server(("127.0.0.1", 0)) as server:  # a server that answers: online
@@ -478,6 +480,16 @@ def test_a_bad_wandb_key_and_an_error_wandb_raises_are_one_line(compose_cfg, mon
     with caplog.at_level(logging.WARNING, logger="mtp_train.tracking"):
         assert offline_without_key() is True and os.environ["WANDB_MODE"] == "offline"
     assert "cannot be reached from this machine" in caplog.text and "logging offline" in caplog.text
+    from mtp_train.tracking import server_out_of_reach
+
+    monkeypatch.setenv("WANDB_BASE_URL", f"127.0.0.1:{port}")  # no scheme: still that host and port
+    assert server_out_of_reach(timeout=1.0) == f"127.0.0.1:{port} cannot be reached from this machine (Connection refused)"
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # behind a proxy only W&B can tell
+    assert server_out_of_reach(timeout=1.0) is None
+    for bad in ("http://host:99999", "http://host:abc", "http://"):
+        monkeypatch.setenv("WANDB_BASE_URL", bad)
+        with pytest.raises(ConfigError, match=r"^WANDB_BASE_URL='" + re.escape(bad) + "': not a server address"):
+            server_out_of_reach(timeout=1.0)
     comm_error = type("CommError", (Exception,), {"__module__": "wandb.errors.errors"})
 
     def task(cfg, typed):

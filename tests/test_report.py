@@ -263,6 +263,7 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     from safetensors.torch import save_file
 
     from mtp_train.artifacts import file_sha256
+    from mtp_train.clp import calibration_seal
     from mtp_train.report import write_report
 
     report = _flagged_run(tmp_path)
@@ -275,6 +276,7 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     save_file({"w": torch.ones(3)}, str(pred / "predictor.safetensors"))
     meta = {"threshold": 0.5, "calibrated": True, "parameters": 3, "heads_sha256": "a" * 64,
             "weights_sha256": file_sha256(pred / "predictor.safetensors")}
+    meta["seal"] = calibration_seal(meta)  # as mtp-clp writes it: covers `calibrated`, which the page overrides
 
     def page_with(**change) -> str:
         (pred / "predictor.json").write_text(json.dumps({**meta, **change}))
@@ -285,7 +287,8 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     page = page_with(heads_sha256="b" * 64)
     assert "| clp | 3 | 0.50 | no: fitted on other heads' acceptance: rerun mtp-clp for these heads |" in page
     assert "not calibrated (accepts nothing) | **no** |" in page
-    page = page_with(weights_sha256="c" * 64)
+    save_file({"w": torch.zeros(3)}, str(pred / "predictor.safetensors"))  # other weights put in its place
+    page = page_with()
     assert "no: predictor.safetensors is not the one mtp-clp fitted" in page
     (pred / "predictor.safetensors").unlink()
     assert "no: predictor.safetensors is missing" in page_with()

@@ -136,8 +136,22 @@ def test_compiled_heads_train_to_the_eager_weights_and_a_short_auto_run_skips_th
     run_train(typed_cfg(*common, "train.compile=auto", f"paths.output_dir={tmp_path}/auto"))
     on, auto = (json.loads((tmp_path / d / "heads.json").read_text())["recipe"]["compile"] for d in ("on", "auto"))
     assert on == {"used": True, "why": "train.compile=on"}
-    assert auto["used"] is False and "too few steps to pay a compile back" in auto["why"]
+    assert auto == {"used": False, "why": "4 steps (trainer.max_steps / max_epochs) are too few to pay a compile back"}
     a, b = load_file(tmp_path / "on" / "heads.safetensors"), load_file(tmp_path / "auto" / "heads.safetensors")
     assert sorted(a) == sorted(b)
     moved = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert moved < 1e-5, moved
+
+
+def test_compile_auto_counts_the_steps_of_an_epoch_bounded_run(typed_cfg):
+    """trainer.max_steps=-1 (Lightning: unbounded, max_epochs decides) is a long run, not a short one."""
+    from types import SimpleNamespace
+
+    from mtp_train.pipeline.training import planned_steps
+
+    dm = SimpleNamespace(train_dataloader=lambda: range(50))  # 50 batches an epoch
+    assert planned_steps(typed_cfg("trainer.max_steps=120"), dm) == 120
+    assert planned_steps(typed_cfg("trainer.max_steps=-1", "+trainer.max_epochs=3"), dm) == 150
+    assert planned_steps(typed_cfg("trainer.max_steps=-1", "+trainer.max_epochs=3",
+                                   "+trainer.accumulate_grad_batches=2"), dm) == 75
+    assert planned_steps(typed_cfg("trainer.max_steps=-1"), dm) == 50_000  # Lightning's 1000 epochs

@@ -102,6 +102,25 @@ def test_a_sweep_summary_lists_this_multiruns_points_not_older_ones_in_a_reused_
     assert [r["point"] for r in gather(tmp_path, since=time.time() - 60)] == ["1-k2-kl"]
 
 
+
+def test_a_multirun_dates_its_start_by_the_sweep_directorys_clock(tmp_path, monkeypatch):
+    """The points' files are dated by the filesystem's clock (a file server's under Slurm on NFS);
+    a start read from this machine's clock, ahead of it, dropped every new point from the summary
+    and from the failed points (exit 0 after a failure). The start is a file's date in the sweep dir."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from mtp_train.cli.sweep import MULTIRUN_STARTED, SweepSummary
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 600)  # this machine 10 minutes ahead
+    cb = SweepSummary()
+    cb.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
+    marker = tmp_path / "sweep" / MULTIRUN_STARTED
+    assert marker.is_file() and cb._started == marker.stat().st_mtime and cb._started < real() + 5
+
+
 @pytest.mark.bad_input
 @pytest.mark.integration
 def test_a_sweep_whose_points_would_share_one_directory_is_refused(tmp_path):
@@ -265,6 +284,12 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_before_hydra_wri
         part = "e" * min(200, left - 1)
         deep, left = deep / part, left - len(part) - 1
     assert len(str(deep)) >= 3990 and "too near the system's limit of 4096" in unwritable_reason(deep)
+    def no_answer(path, name):
+        raise OSError(22, "Invalid argument")
+
+    with pytest.MonkeyPatch.context() as mp:  # a filesystem that does not say its limit: not checked
+        mp.setattr(os, "pathconf", no_answer)
+        assert unwritable_reason(deep) is None
     for args, key in ((["debug=smoke", f"hydra.run.dir={a_file}/run"], "hydra.run.dir"),
                       (["-m", "debug=smoke", "hydra.sweep.dir=/proc/mtp-no-such"], "hydra.sweep.dir")):
         r = subprocess.run([str(BIN / "mtp-train"), *args, f"paths.root_dir={tmp_path}"],

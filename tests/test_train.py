@@ -546,6 +546,9 @@ def test_every_heads_key_is_part_of_the_recipe(typed_cfg):
     base = recipe_keys(typed_cfg(*FAST))[0]
     for change in ("heads.share=true", "heads.num_layers=2", "train.length_window=0"):
         assert recipe_keys(typed_cfg(*FAST, change))[0] != base, change
+    # how a step runs, not what it computes: the same recipe, so a run resumes across it
+    for same in ("train.compile=auto", "train.compile=on", "train.num_workers=1"):
+        assert recipe_keys(typed_cfg(*FAST, same)) == recipe_keys(typed_cfg(*FAST)), same
 
 
 @pytest.mark.bad_input

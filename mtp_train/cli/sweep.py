@@ -112,8 +112,11 @@ def unwritable_reason(directory: Path) -> str | None:
 
     # the run's files go up to two folders and ~80 characters below it (checkpoints, csv/version_0,
     # temporary names): a directory this close to the system's path limit fails there, mid-run
-    limit = os.pathconf(d, "PC_PATH_MAX")
-    if len(str(d.resolve())) + RUN_FILES_DEPTH > limit:
+    try:
+        limit = os.pathconf(d, "PC_PATH_MAX")
+    except (OSError, ValueError):  # a filesystem that does not say: no check
+        limit = -1
+    if limit > 0 and len(str(d.resolve())) + RUN_FILES_DEPTH > limit:
         return f"its path is {len(str(d.resolve()))} characters long, too near the system's limit of {limit} for the files a run writes below it"
     return None
 
@@ -175,6 +178,7 @@ class OutputDirCheck(Callback):
             raise SystemExit(2)
 
 
+MULTIRUN_STARTED = ".multirun_started"  # in the sweep directory: when the last multirun into it began
 FAILED_POINTS: list[Path] = []  # the FAILED.txt of the multirun this process just ran (its exit code)
 
 
@@ -186,7 +190,16 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         import time
 
+        # the start as the sweep directory's filesystem dates it: the points' files are dated by the same
+        # clock (a file server's, under Slurm on NFS), which may differ from this machine's
         self._started = time.time()
+        marker = Path(str(config.hydra.sweep.dir)) / MULTIRUN_STARTED
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{self._started}\n")
+            self._started = marker.stat().st_mtime
+        except OSError:
+            pass
 
     def on_multirun_end(self, config, **kwargs) -> None:
         # only this multirun's failures (a reused sweep directory may hold older points' FAILED.txt)

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 # a bf16 step must be at least this much faster to be chosen: bf16 rounds the heads' activations,
 # so a tie goes to float32
 AUTO_MIN_GAIN = 1.1
-# a compiled step must be at least this much faster to be kept (the compile is already paid by then)
+# a compiled step must be at least this much faster to be kept (training compiles the heads once more,
+# mostly from Inductor's caches)
 COMPILE_MIN_GAIN = 1.05
 # train.compile=auto times nothing for a run planned shorter than this: the compile (30-40 s on a
 # 2-core EPYC, about 3x that on a first-generation Zen) and its timing would not be paid back
@@ -56,11 +57,12 @@ def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], opti
         opt.step()
         return time.perf_counter() - t0
 
-    out = {name: {"first_s": step(name, batches[0]), "round_s": []} for name in options}
-    for r in range(rounds):
-        shift = r % len(options)
-        for name in options[shift:] + options[:shift]:
-            out[name]["round_s"].append(sum(step(name, b) for b in batches[1:]))
+    with torch.random.fork_rng():  # the steps draw (train.feature_noise): training's own draws stay the same
+        out = {name: {"first_s": step(name, batches[0]), "round_s": []} for name in options}
+        for r in range(rounds):
+            shift = r % len(options)
+            for name in options[shift:] + options[:shift]:
+                out[name]["round_s"].append(sum(step(name, b) for b in batches[1:]))
     return out
 
 

@@ -220,7 +220,9 @@ def drop_stale_predictors(out: Path, heads_hash: str, keep: list[str]) -> list[s
         if kind in keep:
             continue
         meta = read_json(out / kind / PREDICTOR_META)
-        if meta is None or meta.get("heads_sha256") == heads_hash:
+        # only a predictor that says it was fitted on other heads: one without the digest is kept,
+        # as mtp-eval keeps it, and a file that is not mtp-clp's record is not touched
+        if not isinstance(meta, dict) or meta.get("heads_sha256") in (None, heads_hash):
             continue
         for name in (PREDICTOR_META, PREDICTOR_FILE):
             (out / kind / name).unlink(missing_ok=True)

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 # train.* keys that change neither the heads nor their checkpoints: outside the recipe hash
-METRIC_ONLY = ("num_workers", "use_cache", "eval_after", "sampled_tau_temperatures")
+# (compile: the same weights either way, a test holds it)
+METRIC_ONLY = ("num_workers", "use_cache", "eval_after", "sampled_tau_temperatures", "compile")
 # how long training runs: like trainer.max_steps, part of `finished`, not of the recipe
 LENGTH_ONLY = ("time_budget_min", "min_steps")
 # trainer keys that change what the weights become, with conf/trainer/default.yaml's values: one set

@@ -288,9 +288,9 @@ def resolve_compile(cfg: Config, backbone, heads, dm, precision: str, budget, wo
 
     if budget is not None and budget.seconds < COMPILE_MIN_SECONDS:
         return False, {"why": f"a {budget.seconds:.0f} s budget is too short to pay a compile back"}
-    if budget is None and (cfg.trainer.get("max_steps") or 0) < COMPILE_MIN_STEPS:
-        return False, {"why": f"trainer.max_steps={cfg.trainer.get('max_steps')} is too few steps to pay a compile back"}
     dm.setup()
+    if budget is None and (steps := planned_steps(cfg, dm)) < COMPILE_MIN_STEPS:
+        return False, {"why": f"{steps} steps (trainer.max_steps / max_epochs) are too few to pay a compile back"}
     batches = [b for _, b in zip(range(4), dm.train_dataloader(), strict=False)]
     if len(batches) < 2:
         return False, {"why": "too few training batches to time"}
@@ -298,6 +298,17 @@ def resolve_compile(cfg: Config, backbone, heads, dm, precision: str, budget, wo
 
 
 COMPILE_MIN_STEPS = 200  # train.compile=auto without a time budget: fewer steps do not pay a compile back
+
+
+def planned_steps(cfg: Config, dm) -> int:
+    """The optimizer steps a run without a time budget makes: trainer.max_steps, or, where that is
+    unbounded (-1 or null), trainer.max_epochs (Lightning's 1000 when unset) passes over the rows."""
+    cap = cfg.trainer.get("max_steps")
+    if cap is not None and cap >= 0:
+        return int(cap)
+    epochs = cfg.trainer.get("max_epochs")
+    per_epoch = len(dm.train_dataloader()) // max(1, int(cfg.trainer.get("accumulate_grad_batches") or 1))
+    return (1000 if epochs is None or epochs < 0 else int(epochs)) * per_epoch
 
 
 def trained_precision(cfg: Config, meta: dict) -> str:
