@@ -130,14 +130,16 @@ def server_out_of_reach(timeout: float = REACH_TIMEOUT_S) -> str | None:
     base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
     url = urlsplit(base if "://" in base else f"https://{base}")
     try:
-        host, port = url.hostname, url.port or (80 if url.scheme.lower() == "http" else 443)
+        port = url.port or (80 if url.scheme.lower() == "http" else 443)
+        problem = None if url.hostname else "no host"
     except ValueError as err:  # a port that is not a number, or out of range
-        host, port = None, str(err)
-    if not host:
+        problem = str(err)
+    if problem:
         from mtp_train.errors import ConfigError
 
-        raise ConfigError(f"WANDB_BASE_URL={base!r}: not a server address ({port or 'no host'}); fix it, or unset it "
+        raise ConfigError(f"WANDB_BASE_URL={base!r}: not a server address ({problem}); fix it, or unset it "
                           "for W&B's own server")
+    host = url.hostname
     proxies = urllib.request.getproxies()
     if (proxies.get(url.scheme.lower()) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
         return None  # through a proxy: only W&B itself can tell

@@ -57,7 +57,7 @@ def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], opti
         opt.step()
         return time.perf_counter() - t0
 
-    with torch.random.fork_rng():  # the steps draw (train.feature_noise): training's own draws stay the same
+    with torch.random.fork_rng(devices=[]):  # CPU steps draw (train.feature_noise): training's own draws stay the same
         out = {name: {"first_s": step(name, batches[0]), "round_s": []} for name in options}
         for r in range(rounds):
             shift = r % len(options)
