@@ -51,7 +51,7 @@ def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg):
     from mtp_train.lit.step_options import time_options
     from tests.helpers import prepare_tiny
 
-    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2")
+    cfg = typed_cfg(*FAST, "heads=chained", "heads.k=2", "train.feature_noise=0.1")  # the steps draw noise
     prepare_tiny(cfg)
     from mtp_train import layout
     from mtp_train.layout import data_dirs
@@ -63,7 +63,9 @@ def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg):
     batches = [b for _, b in zip(range(3), dm.val_dataloader(), strict=False)]
     heads = build_heads(cfg.heads, backbone)
     before = {n: p.detach().clone() for n, p in heads.named_parameters()}
+    rng = torch.get_rng_state()
     out = time_options(backbone, heads, cfg.loss, cfg.train, batches, ["fp32", "bf16"], rounds=2)
+    assert torch.equal(torch.get_rng_state(), rng)  # training draws what it would have drawn untimed
     assert set(out) == {"fp32", "bf16"} and all(len(v["round_s"]) == 2 and v["first_s"] > 0 for v in out.values())
     assert all(torch.equal(p, before[n]) for n, p in heads.named_parameters())  # copies trained, not these
 
