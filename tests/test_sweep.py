@@ -133,6 +133,29 @@ def test_a_sweep_whose_points_would_share_one_directory_is_refused(tmp_path):
     assert r.stderr.strip().startswith("error: hydra.sweep.subdir=same: the sweep's points would share one "
                                        "directory") and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert not (tmp_path / "sweep" / "same").exists()
+    # a subdir naming some swept keys: the wiring reads the sweep's own overrides (hostile round 4 refused
+    # k${heads.k} for a sweep over heads.k alone; subdir_unnamed is tested on its own below)
+    r = subprocess.run([str(BIN / "mtp-train"), "-m", "debug=smoke", "heads.k=2,3", "loss=ce,kl",
+                        "hydra.sweep.subdir=k${heads.k}", f"hydra.sweep.dir={tmp_path}/sweep2",
+                        f"paths.root_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "(it does not name loss)" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_subdir_that_names_every_swept_key_is_distinct():
+    """hostile round 4: `hydra.sweep.subdir=k${heads.k}` gives each point its own directory but was refused
+    because it did not name the job number; a subdir is checked against the keys the sweep varies."""
+    from mtp_train.cli.sweep import subdir_unnamed
+
+    assert subdir_unnamed("k${heads.k}", ["heads.k"]) == []
+    assert subdir_unnamed("${mtp_point_dir:${hydra.job.num}}", ["heads.k", "loss"]) == []
+    assert subdir_unnamed("${hydra.job.override_dirname}", ["heads.k"]) == []
+    assert subdir_unnamed("${hydra.runtime.choices.loss}-${heads.k}", ["loss", "heads.k"]) == []
+    assert subdir_unnamed("${loss.name}", ["loss"]) == []  # a key under a swept group
+    assert subdir_unnamed("k${heads.k}", ["heads.k", "train.lr"]) == ["train.lr"]
+    assert subdir_unnamed("same", ["heads.k"]) == ["heads.k"]
+    assert subdir_unnamed("${now:%H-%M}", ["heads.k"]) == ["heads.k"]  # a resolver call names no point
+    assert subdir_unnamed("k${heads.kk}", ["heads.k"]) == ["heads.k"]
+    assert subdir_unnamed("same", []) == []  # nothing swept: a single point
 
 
 def test_point_names_come_from_the_swept_values():
@@ -284,6 +307,7 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_before_hydra_wri
         part = "e" * min(200, left - 1)
         deep, left = deep / part, left - len(part) - 1
     assert len(str(deep)) >= 3990 and "too near the system's limit of 4096" in unwritable_reason(deep)
+    assert not (tmp_path / ("e" * 200)).exists()  # hostile round 4: the refused path's folders were left behind
     def no_answer(path, name):
         raise OSError(22, "Invalid argument")
 
@@ -316,9 +340,24 @@ def test_a_command_refuses_another_commands_run_directory_before_hydra_writes_th
     (tmp_path / "clp" / "stage_times.json").write_text("{}")
     assert other_commands_run(tmp_path / "clp", "eval") == ("mtp-clp", "stage_times.json")
     assert other_commands_run(tmp_path / "clp", "clp") is None
+    from mtp_train.cli.sweep import prepared_data  # hostile round 4: mtp-eval could write into the data
+
+    (tmp_path / "data" / "labelled").mkdir(parents=True)
+    assert prepared_data(tmp_path / "data") is None
+    (tmp_path / "data" / "labelled" / "manifest.json").write_text("{}")
+    assert prepared_data(tmp_path / "data") == "labelled/manifest.json"
+    assert prepared_data(tmp_path / "data" / "labelled") == "manifest.json"
+    assert prepared_data(run) is None
     r = subprocess.run([str(BIN / "mtp-eval"), "debug=smoke", f"eval.train_run={run}", f"hydra.run.dir={run}",
                         f"paths.root_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip() == (f"error: hydra.run.dir={run}: this is mtp-train's run directory (heads.json is there); "
                                 "mtp-eval writes its own: choose another hydra.run.dir"), r.stderr[-2000:]
     assert (run / ".hydra" / "config.yaml").read_text() == "mine: true\n"
+    r = subprocess.run([str(BIN / "mtp-eval"), "debug=smoke", f"eval.train_run={run}",
+                        f"hydra.run.dir={tmp_path / 'data'}", f"paths.root_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: hydra.run.dir={tmp_path / 'data'}: this holds mtp-prep's prepared data (labelled/manifest.json is "
+        "there); mtp-eval writes its run elsewhere: choose another hydra.run.dir"), r.stderr[-2000:]
+    assert not (tmp_path / "data" / ".hydra").exists()

@@ -10,6 +10,7 @@ the callback that writes the sweep summary (mtp_train/sweep.py) when a multirun 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -34,7 +35,11 @@ def swept_keys(sweep_dir: str | Path) -> list[str] | None:
     path = Path(sweep_dir) / MULTIRUN_CONFIG
     if not path.is_file():
         return None
-    hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
+    return _swept_in((yaml.safe_load(path.read_text()) or {}).get("hydra") or {})
+
+
+def _swept_in(hydra: dict) -> list[str]:
+    """The keys a multirun varies, from its Hydra config (the `hydra` node, as a plain dict)."""
     keys = [o.key_or_group for o in _parse((hydra.get("overrides") or {}).get("task") or [])
             if o.is_sweep_override()]
     params = (hydra.get("sweeper") or {}).get("params") or {}
@@ -52,6 +57,23 @@ def point_values(overrides: list[str], keys: list[str]) -> list[tuple[str, str]]
         if not o.is_delete() and not o.is_sweep_override():
             found[o.key_or_group] = o.get_value_element_as_str()
     return [(k, found[k]) for k in keys if k in found]
+
+
+_PER_JOB = ("hydra.job.num", "hydra.job.id", "hydra.job.override_dirname")  # distinct for every point
+
+
+def subdir_unnamed(subdir: str, swept: list[str]) -> list[str]:
+    """The swept keys that `hydra.sweep.subdir` (unresolved) does not tell apart: empty when it names a
+    per-job value, or every swept key (`${heads.k}`, a group by `${hydra.runtime.choices.loss}` or a
+    key under it). Two points that differ only in an unnamed key would share one directory."""
+    refs = set(re.findall(r"\$\{([^${}:]+)\}", subdir))  # innermost plain references, not resolver calls
+    if refs & set(_PER_JOB):
+        return []
+
+    def named(key: str) -> bool:
+        return any(r == key or r.startswith(key + ".") or r == f"hydra.runtime.choices.{key}" for r in refs)
+
+    return [k for k in swept if not named(k)]
 
 
 def _hydra_point(hc) -> tuple[str, list[tuple[str, str]]]:
@@ -98,27 +120,37 @@ def current_point() -> SweepPoint | None:
 
 def unwritable_reason(directory: Path) -> str | None:
     """Why `directory` cannot be created and written (None: it can; it is then created, as Hydra
-    would create it next): what the filesystem says to a mkdir and to a probe file inside."""
+    would create it next): what the filesystem says to a mkdir and to a probe file inside, or a path
+    too near the system's limit. A refused directory leaves none of the folders the probe made."""
+    import os
     import tempfile
 
     d = Path(directory)
+    made = [p for p in (d, *d.absolute().parents) if not p.exists()]  # deepest first
+    why = None
     try:
         d.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=d):
             pass
     except OSError as e:
-        return f"{e.filename or d}: {e.strerror}"
-    import os
-
-    # the run's files go up to two folders and ~80 characters below it (checkpoints, csv/version_0,
-    # temporary names): a directory this close to the system's path limit fails there, mid-run
-    try:
-        limit = os.pathconf(d, "PC_PATH_MAX")
-    except (OSError, ValueError):  # a filesystem that does not say: no check
-        limit = -1
-    if limit > 0 and len(str(d.resolve())) + RUN_FILES_DEPTH > limit:
-        return f"its path is {len(str(d.resolve()))} characters long, too near the system's limit of {limit} for the files a run writes below it"
-    return None
+        why = f"{e.filename or d}: {e.strerror}"
+    if why is None:
+        # the run's files go up to two folders and ~80 characters below it (checkpoints, csv/version_0,
+        # temporary names): a directory this close to the system's path limit fails there, mid-run
+        try:
+            limit = os.pathconf(d, "PC_PATH_MAX")
+        except (OSError, ValueError):  # a filesystem that does not say: no check
+            limit = -1
+        if limit > 0 and len(str(d.resolve())) + RUN_FILES_DEPTH > limit:
+            why = (f"its path is {len(str(d.resolve()))} characters long, too near the system's limit of {limit} "
+                   "for the files a run writes below it")
+    if why is not None:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:  # not made here after all, or not empty: left as it is
+                break
+    return why
 
 
 RUN_FILES_DEPTH = 160  # characters the deepest file of a run adds below its directory, with margin
@@ -128,6 +160,15 @@ RUN_FILES_DEPTH = 160  # characters the deepest file of a run adds below its dir
 _STAGE_MARKERS = {"train": (layout.HEADS_META, layout.CHECKPOINTS), "eval": (layout.EVAL_REPORT,),
                   "clp": (layout.STAGE_TIMES, layout.LABELS)}
 _COMMANDS = {"train": "mtp-train", "eval": "mtp-eval", "clp": "mtp-clp", "prep": "mtp-prep"}
+
+
+def prepared_data(directory: Path) -> str | None:
+    """The file that marks `directory` as mtp-prep's data (a prepared dataset, a hidden-state cache or
+    the data directory holding them), None when it is not: no command's run directory belongs there."""
+    for name in (layout.MANIFEST, f"{layout.LABELLED}/{layout.MANIFEST}", f"{layout.DISTILLED}/{layout.MANIFEST}"):
+        if (directory / name).is_file():
+            return name
+    return None
 
 
 def other_commands_run(directory: Path, job: str) -> tuple[str, str] | None:
@@ -158,6 +199,10 @@ class OutputDirCheck(Callback):
 
         self._check("hydra.run.dir", config.hydra.run.dir)
         job = str(config.hydra.job.name)
+        if job in _COMMANDS and (found := prepared_data(Path(str(config.hydra.run.dir)))):
+            print(f"error: hydra.run.dir={config.hydra.run.dir}: this holds mtp-prep's prepared data ({found} is "
+                  f"there); {_COMMANDS[job]} writes its run elsewhere: choose another hydra.run.dir", file=sys.stderr)
+            raise SystemExit(2)
         if job in _COMMANDS and (found := other_commands_run(Path(str(config.hydra.run.dir)), job)):
             print(f"error: hydra.run.dir={config.hydra.run.dir}: this is {found[0]}'s run directory ({found[1]} is "
                   f"there); {_COMMANDS[job]} writes its own: choose another hydra.run.dir", file=sys.stderr)
@@ -169,12 +214,13 @@ class OutputDirCheck(Callback):
         from omegaconf import OmegaConf
 
         self._check("hydra.sweep.dir", config.hydra.sweep.dir)
-        subdir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir"))
-        if "hydra.job.num" not in subdir and "hydra.job.override_dirname" not in subdir:
-            # every point would train into one directory, each superseding the one before
-            print(f"error: hydra.sweep.subdir={subdir}: the sweep's points would share one directory; it must "
-                  "name each point (${hydra.job.num}, as the default ${mtp_point_dir:${hydra.job.num}} does)",
-                  file=sys.stderr)
+        hydra = OmegaConf.to_container(config.hydra, resolve=False)
+        subdir = str(hydra["sweep"].get("subdir"))
+        if (unnamed := subdir_unnamed(subdir, _swept_in(hydra))):
+            # points differing only in these keys would train into one directory, each superseding the last
+            print(f"error: hydra.sweep.subdir={subdir}: the sweep's points would share one directory (it does "
+                  f"not name {', '.join(unnamed)}); name each point: ${{hydra.job.num}}, as the default "
+                  "${mtp_point_dir:${hydra.job.num}} does, or every swept key", file=sys.stderr)
             raise SystemExit(2)
 
 
