@@ -186,12 +186,16 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
     return out_dir / PREDICTOR_FILE
 
 
-def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | None = None
-                   ) -> tuple[SpanPredictor, dict]:
-    """A saved predictor, refused when it was fitted for another hidden size, k or backbone."""
+def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | None = None,
+                   kind: str | None = None) -> tuple[SpanPredictor, dict]:
+    """A saved predictor, refused when it was fitted for another hidden size, k or backbone, or (with
+    `kind`) is not of the kind asked for."""
     from mtp_train.artifacts import load_weights, read_weights_meta
 
     meta, meta_file, weights = read_weights_meta(Path(path), PREDICTOR_META, PREDICTOR_FILE, "written by mtp-clp")
+    if meta.get("kind") not in PREDICTOR_KINDS or (kind is not None and meta["kind"] != kind):
+        raise MtpError(f"{meta_file}: says kind {meta.get('kind')!r} where a {kind or '/'.join(PREDICTOR_KINDS)} "
+                       "predictor belongs (edited or moved); rerun `mtp-clp stage=fit`")
     for key, have in (("hidden_size", hidden_size), ("k", k)):
         if meta.get(key) != have:
             raise ConfigError(f"{meta_file}: fitted for {key}={meta.get(key)}, these heads and backbone "
@@ -203,7 +207,9 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
     check_predictor_weights(meta, weights)
     try:
         predictor.load_state_dict(state)
-    except RuntimeError as e:
-        raise MtpError(f"{weights}: cannot load ({e})") from None
+    except RuntimeError as e:  # torch lists every key: the first problem names it
+        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+        raise MtpError(f"{weights}: does not fit a {meta['kind']} predictor ({detail[:200]}); rerun "
+                       "`mtp-clp stage=fit`") from None
     return predictor.eval(), meta
 

@@ -170,15 +170,24 @@ def flagged_modes(report: dict | None) -> set[str]:
     return out
 
 
-def predictor_problem(meta: dict, pred_dir: Path, heads_sha256: str | None) -> str | None:
+def predictor_problem(meta: dict, pred_dir: Path, heads: dict | None, heads_sha256: str | None) -> str | None:
     """Why a predictor under clp/ cannot serve the run's heads (None: it can), by the checks mtp-eval
-    makes before it uses one: fitted on these heads' acceptance, its weights present and the ones
-    mtp-clp fitted. A predictor with a problem is reported as not calibrated for these heads."""
-    from mtp_train.clp import check_predictor_weights
+    makes before it uses one (clp.load_predictor, the threshold's seal and range): its kind is the
+    directory's, fitted on these heads' acceptance and for their k and hidden size, its weights present
+    and the ones mtp-clp fitted, and a calibrated one holds a valid threshold. A predictor with a
+    problem is reported as not calibrated for these heads."""
+    from mtp_train.clp import check_predictor_weights, saved_threshold
 
+    if meta.get("kind") != pred_dir.name:
+        return (f"predictor.json says kind {meta.get('kind')!r} but lies in {pred_dir.name}/: edited or moved; "
+                "rerun `mtp-clp stage=fit`")
     theirs = meta.get("heads_sha256")
     if theirs and heads_sha256 and theirs != heads_sha256:
         return "fitted on other heads' acceptance: rerun mtp-clp for these heads"
+    bb = (heads or {}).get("backbone") or {}
+    for key, have in (("k", (heads or {}).get("k")), ("hidden_size", bb.get("hidden_size"))):
+        if have is not None and meta.get(key) != have:
+            return f"fitted for {key}={meta.get(key)!r}, these heads have {key}={have}: rerun mtp-clp for these heads"
     weights = pred_dir / layout.PREDICTOR_FILE
     if not weights.is_file():
         return f"{layout.PREDICTOR_FILE} is missing: rerun `mtp-clp stage=fit`"
@@ -186,20 +195,35 @@ def predictor_problem(meta: dict, pred_dir: Path, heads_sha256: str | None) -> s
         check_predictor_weights(meta, weights)
     except MtpError:
         return f"{layout.PREDICTOR_FILE} is not the one mtp-clp fitted (sha256 differs): rerun `mtp-clp stage=fit`"
+    try:
+        threshold = saved_threshold(meta)
+    except MtpError as e:  # "predictor.json: <why>": the file is named by the table's row
+        return str(e).removeprefix("predictor.json: ")
+    if meta.get("calibrated") and threshold is None:
+        return "marked calibrated but holds no threshold: rerun `mtp-clp stage=calibrate`"
     return None
 
 
-def _predictor_metas(clp_root: Path, heads_sha256: str | None) -> dict:
-    """kind -> predictor.json for each predictor under clp/, with `problem` (predictor_problem) and
-    calibrated=False where it cannot serve these heads."""
+def _predictor_metas(clp_root: Path, heads: dict | None, heads_sha256: str | None) -> dict:
+    """kind -> predictor.json for each predictor directory under clp/ (one without it: {"problem": why}), with `problem` (predictor_problem) and calibrated=False where it cannot serve these heads,
+    and `shown_threshold`, the saved threshold where it passes its checks."""
+    from mtp_train.clp import saved_threshold
+
     out = {}
     for kind in PREDICTOR_KINDS:
         pred_dir = layout.predictor_dir(clp_root, kind)
-        if m := _json(pred_dir / layout.PREDICTOR_META):
-            if problem := predictor_problem(m, pred_dir, heads_sha256):
-                # as_saved: what mtp-clp wrote, whose seal covers `calibrated`
-                m = {**m, "calibrated": False, "problem": problem, "as_saved": m}
-            out[kind] = m
+        if not pred_dir.is_dir():
+            continue
+        if (m := _json(pred_dir / layout.PREDICTOR_META)) is None:  # a damaged one is refused, naming it
+            out[kind] = {"calibrated": False, "problem": f"{layout.PREDICTOR_META} is missing: rerun `mtp-clp stage=fit`"}
+            continue
+        try:
+            shown = saved_threshold(m)
+        except MtpError:
+            shown = None
+        if problem := predictor_problem(m, pred_dir, heads, heads_sha256):
+            m = {**m, "calibrated": False, "problem": problem}
+        out[kind] = {**m, "shown_threshold": shown}
     return out
 
 
@@ -207,9 +231,11 @@ _PROMPT_SOURCES = {"validation": "held-out prompts", "file": "prompts from eval.
                    "unseen": "unseen prompts (conversations the data stage never took)"}
 
 
-def _fmt(x, nd: int = 3) -> str:
+def _fmt(x, nd: int = 3, thousands: bool = False) -> str:
     if x is None:
         return "-"
+    if thousands and isinstance(x, int):
+        return f"{x:,}"
     if isinstance(x, float):
         return f"{x:.{nd}f}"
     return str(x)
@@ -322,10 +348,49 @@ def check_same_heads(heads: dict, report: dict, train: Path, ev: Path) -> None:
                        f"{str(ours)[:12]}); rerun mtp-eval on this run")
 
 
+def check_report_figures(report: dict, path: Path) -> None:
+    """Refuse, naming the file and the figure, an eval report holding what no decoding measures: a
+    non-finite number, tau outside [1, k + 1] (the backbone's token plus at most one per head),
+    a rate outside [0, 1], a speed that is not positive. mtp-eval writes these; an impossible one is an
+    edit or a damaged file, not a result to put on the page."""
+    import math
+
+    def bad(where: str, value, why: str) -> MtpError:
+        return MtpError(f"{path}: {where} is {value!r}, {why}; the file was edited or damaged: rerun mtp-eval")
+
+    k = report.get("k")
+    modes = report.get("modes")
+    if not isinstance(modes, dict):
+        raise bad("modes", modes, "not a record per mode")
+    for mode, r in modes.items():
+        if not isinstance(r, dict):
+            raise bad(f"modes.{mode}", r, "not a record")
+        for key, value in r.items():
+            values = value if key == "acceptance" and isinstance(value, list) else [value]
+            for v in values:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise bad(f"modes.{mode}.{key}", v, "not a finite number")
+        tau = r.get("tau")
+        if tau is not None and (not isinstance(tau, (int, float)) or tau < 1 - 1e-9
+                                or (isinstance(k, int) and tau > k + 1 + 1e-9)):
+            raise bad(f"modes.{mode}.tau", tau, f"outside [1, k + 1 = {k + 1 if isinstance(k, int) else '?'}]")
+        for key in ("greedy_match_rate",):
+            if (v := r.get(key)) is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
+                raise bad(f"modes.{mode}.{key}", v, "not a rate in [0, 1]")
+        for i, v in enumerate(r.get("acceptance") or []):
+            if v is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
+                raise bad(f"modes.{mode}.acceptance[{i}]", v, "not a rate in [0, 1]")
+        for key in ("speedup_vs_hf", "tokens_per_s"):
+            if (v := r.get(key)) is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise bad(f"modes.{mode}.{key}", v, "not a positive number")
+
+
 def _write_report(root: Path) -> Path:
     train, clp, ev = layout.pipeline_dirs(root)
     heads = _json(train / layout.HEADS_META)
     report = _json(ev / layout.EVAL_REPORT)
+    if report is not None:
+        check_report_figures(report, ev / layout.EVAL_REPORT)
     if heads is None and report is None:
         raise MtpError(f"{root}: no train/heads.json and no eval/eval_report.json; nothing to report")
     if heads and report:
@@ -361,7 +426,7 @@ def _write_report(root: Path) -> Path:
     md += _budget_section(heads, report, times)
     bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
     # the heads: heads.json's digest, else the one the evaluation measured
-    predictors = _predictor_metas(clp, (heads or {}).get("weights_sha256") or (report or {}).get("heads_sha256"))
+    predictors = _predictor_metas(clp, heads, (heads or {}).get("weights_sha256") or (report or {}).get("heads_sha256"))
     if rows := target_rows(report, total, bounds, predictors):
         md += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
         md += [f"| {what} | {want} | {got} | {'yes' if met else '**no**'} |" for what, want, got, met in rows]
@@ -412,16 +477,14 @@ def _write_report(root: Path) -> Path:
     md += _serving_section(train)
 
     if predictors:
-        from mtp_train.clp import saved_threshold
-
         def calibrated(m: dict) -> str:
             if m.get("problem"):
                 return f"no: {m['problem']}"
             return "yes" if m.get("calibrated") else "no threshold met the bounds: accepts nothing extra"
 
         md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
-        md += [f"| {k} | {m.get('parameters', 0):,} | "
-               f"{_fmt(saved_threshold(m.get('as_saved', m), layout.predictor_dir(clp, k) / layout.PREDICTOR_META), 2)} | "
+        md += [f"| {k} | {_fmt(m.get('parameters'), thousands=True)} | "
+               f"{_fmt(m.get('shown_threshold'), 2)} | "
                f"{calibrated(m)} |" for k, m in predictors.items()]
         md.append("")
 
@@ -551,6 +614,7 @@ def summary(run_root: str | Path) -> str:
     report = _json(layout.pipeline_dirs(run_root)[2] / layout.EVAL_REPORT)
     if not report:
         return "no evaluation yet"
+    check_report_figures(report, layout.pipeline_dirs(run_root)[2] / layout.EVAL_REPORT)
     from mtp_train.evaluation.render import format_speedup
 
     lines = [f"  {mode:<12} {format_speedup(r, (report.get('details') or {}).get(mode))}  tau {r['tau']:.2f}  "
@@ -559,7 +623,8 @@ def summary(run_root: str | Path) -> str:
     lines += [f"  not identical to greedy: {line}" for line in report.get("divergence") or []]
     train, clp = layout.pipeline_dirs(run_root)[:2]
     bounds = (_json(layout.predictor_dir(clp, "clp") / layout.PREDICTOR_META) or {}).get("bounds")
-    heads_sha = (_json(train / layout.HEADS_META) or {}).get("weights_sha256") or report.get("heads_sha256")
+    heads = _json(train / layout.HEADS_META)
+    heads_sha = (heads or {}).get("weights_sha256") or report.get("heads_sha256")
     lines += [f"  target {'met' if met else 'NOT met'}: {what} {want}: {got}"
-              for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp, heads_sha))]
+              for what, want, got, met in target_rows(report, None, bounds, _predictor_metas(clp, heads, heads_sha))]
     return "\n".join(lines)

@@ -132,6 +132,25 @@ def test_policy_save_load_round_trip_and_mismatches_are_refused(tmp_path):
 
 
 @pytest.mark.bad_input
+def test_a_predictor_json_with_another_kind_is_named_in_one_line(tmp_path):
+    """hostile round 4: a predictor.json whose kind was swapped (clp <-> gate) built the other network and
+    failed with torch's multi-line list of every state_dict key."""
+    torch.manual_seed(0)
+    save_predictor(tmp_path / "clp", LinearCLP(8, 3), {})
+    meta = json.loads((tmp_path / "clp" / "predictor.json").read_text())
+    (tmp_path / "clp" / "predictor.json").write_text(json.dumps({**meta, "kind": "gate"}))
+    with pytest.raises(MtpError) as e:
+        load_predictor(tmp_path / "clp", 8, 3, kind="clp")
+    assert "predictor.json: says kind 'gate' where a clp predictor belongs" in str(e.value)
+    with pytest.raises(MtpError) as e:  # no kind asked for: the weights do not fit the network it names
+        load_predictor(tmp_path / "clp", 8, 3)
+    assert "predictor.safetensors: does not fit a gate predictor" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "clp" / "predictor.json").write_text(json.dumps({**meta, "kind": "mlp"}))
+    with pytest.raises(MtpError, match="says kind 'mlp' where a clp/gate predictor belongs"):
+        load_predictor(tmp_path / "clp", 8, 3)
+
+
+@pytest.mark.bad_input
 def test_pick_threshold_takes_the_longest_steps_within_bounds_and_refuses_when_none():
     from mtp_train.evaluation.calibration import pick_threshold
 

@@ -274,7 +274,7 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     pred = tmp_path / "clp" / "clp"
     pred.mkdir(parents=True)
     save_file({"w": torch.ones(3)}, str(pred / "predictor.safetensors"))
-    meta = {"threshold": 0.5, "calibrated": True, "parameters": 3, "heads_sha256": "a" * 64,
+    meta = {"kind": "clp", "threshold": 0.5, "calibrated": True, "parameters": 3, "heads_sha256": "a" * 64,
             "weights_sha256": file_sha256(pred / "predictor.safetensors")}
     meta["seal"] = calibration_seal(meta)  # as mtp-clp writes it: covers `calibrated`, which the page overrides
 
@@ -292,3 +292,58 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     assert "no: predictor.safetensors is not the one mtp-clp fitted" in page
     (pred / "predictor.safetensors").unlink()
     assert "no: predictor.safetensors is missing" in page_with()
+    # hostile round 4: other heads AND a broken seal read "threshold changed"; the first reason is the one
+    page = page_with(heads_sha256="b" * 64, threshold=0.9)
+    assert "| clp | 3 | - | no: fitted on other heads' acceptance" in page
+    save_file({"w": torch.ones(3)}, str(pred / "predictor.safetensors"))  # the fitted weights back
+    assert "| clp | 3 | 0.50 | yes |" in page_with()
+    # a swapped kind, and a calibrated predictor without a threshold, were "calibrated: yes"
+    assert "no: predictor.json says kind 'gate' but lies in clp/" in page_with(kind="gate")
+    page = page_with(threshold=None, seal=calibration_seal({**meta, "threshold": None}))
+    assert "| clp | 3 | - | no: marked calibrated but holds no threshold" in page
+    assert "not calibrated (accepts nothing) | **no** |" in page
+    # an edited threshold: the page says so on its row instead of failing the report
+    assert "no: the threshold or its calibration record was changed" in page_with(threshold=0.7)
+    # a predictor directory without its predictor.json was left off the page
+    (pred / "predictor.json").unlink()
+    assert "| clp | - | - | no: predictor.json is missing" in write_report(tmp_path).read_text()
+
+
+def test_a_predictor_for_another_k_or_hidden_size_is_not_calibrated_for_these_heads(tmp_path):
+    """hostile round 4: a predictor.json fitted for k=5 beside k=3 heads read "calibrated: yes"; mtp-eval
+    refuses it (clp.load_predictor), and so does the report."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mtp_train.artifacts import file_sha256
+    from mtp_train.report import predictor_problem
+
+    pred = tmp_path / "clp"
+    pred.mkdir()
+    save_file({"w": torch.ones(3)}, str(pred / "predictor.safetensors"))
+    meta = {"kind": "clp", "k": 3, "hidden_size": 8, "weights_sha256": file_sha256(pred / "predictor.safetensors")}
+    heads = {"k": 3, "backbone": {"hidden_size": 8}}
+    assert predictor_problem(meta, pred, heads, None) is None
+    assert predictor_problem({**meta, "k": 5}, pred, heads, None).startswith("fitted for k=5, these heads have k=3")
+    assert "hidden_size=16" in predictor_problem({**meta, "hidden_size": 16}, pred, heads, None)
+    assert predictor_problem({**meta, "k": 5}, pred, None, None) is None  # no heads.json: nothing to hold it to
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("field,value,why", [("tau", 99.0, r"outside \[1, k \+ 1 = 2\]"), ("tau", 0.5, "outside"),
+                                             ("speedup_vs_hf", float("nan"), "not a finite number"),
+                                             ("speedup_vs_hf", -1.0, "not a positive number"),
+                                             ("acceptance", [0.5, 1.5], r"\[1\] is 1.5, not a rate"),
+                                             ("greedy_match_rate", 2, "not a rate")])
+def test_an_eval_report_with_impossible_figures_is_refused_naming_the_figure(tmp_path, field, value, why):
+    """hostile round 4: tau 99 or NaN in eval_report.json was put on the page as a result."""
+    from mtp_train.errors import MtpError
+    from mtp_train.report import summary, write_report
+
+    report = _flagged_run(tmp_path)
+    report["modes"]["verify"][field] = value
+    (tmp_path / "eval" / "eval_report.json").write_text(json.dumps(report))
+    with pytest.raises(MtpError, match=rf"eval/eval_report.json: modes.verify.{field}.*{why}.*rerun mtp-eval"):
+        write_report(tmp_path)
+    with pytest.raises(MtpError, match=rf"modes.verify.{field}"):
+        summary(tmp_path)

@@ -274,7 +274,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     results, todo = {}, []
     heads_hash = file_sha256(Path(cfg.clp.train_run) / layout.HEADS_FILE)
     for kind in cfg.clp.kinds:
-        pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name)
+        pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name, kind)
         if meta.get("heads_sha256") != heads_hash:
             raise ConfigError(f"{out / kind}: fitted on the labels of other heads than clp.train_run="
                               f"{cfg.clp.train_run}; rerun `mtp-clp stage=all` (label and fit) for these heads")

@@ -126,7 +126,7 @@ def load_span_policies(cfg: Config, backbone, heads) -> dict:
             continue
         path = layout.predictor_dir(cfg.eval.clp_run, kind)
         if kind not in loaded:  # clp and clp+verify read the same predictor: once
-            loaded[kind] = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name)
+            loaded[kind] = load_predictor(Path(path), backbone.hidden_size, heads.k, backbone.name, kind)
         pred, meta = loaded[kind]
         heads_hash = heads_hash or file_sha256(Path(cfg.eval.train_run) / HEADS_FILE)
         if meta.get("heads_sha256") not in (None, heads_hash):
