@@ -15,13 +15,15 @@ from mtp_train.errors import ConfigError
 # the config keys (or sections) each command reads; validation judges only these. None: every key
 # (scripts, benchmarks and tests that compose a config for several stages)
 READS: dict[str, tuple[str, ...]] = {
-    "prep": ("seed", "stage", "force", "backbone", "data", "heads.type", "heads.aux_layers",
+    "prep": ("seed", "stage", "force", "paths", "backbone", "data", "heads.type", "heads.aux_layers",
              "train.data_use", "train.max_length"),
-    "train": ("seed", "stage", "force", "backbone", "data", "heads", "loss", "train", "budget"),  # + eval with train.eval_after
-    "clp": ("seed", "stage", "force", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
+    "train": ("seed", "stage", "force", "paths", "backbone", "data", "heads", "loss", "train", "budget"),  # + eval with train.eval_after
+    "clp": ("seed", "stage", "force", "paths", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
             "train.max_length", "train.use_cache"),  # calibration decodes eval.max_new_tokens
-    "eval": ("seed", "force", "backbone", "data", "eval", "budget"),
+    "eval": ("seed", "force", "paths", "backbone", "data", "eval", "budget"),
 }
+# the commands without stages of their own (mtp-prep and mtp-clp check theirs): `stage` may only be all
+ONE_STAGE = {"train": "mtp-train", "eval": "mtp-eval"}
 _JUDGED: ContextVar[tuple[str, ...] | None] = ContextVar("judged_keys", default=None)
 
 
@@ -97,6 +99,9 @@ def validate(cfg: DictConfig, command: str | None = None):
     all of it."""
     if stray := unknown_keys(cfg):
         raise ConfigError(stray[0] + (f"; and {len(stray) - 1} more" if len(stray) > 1 else ""))
+    if command in ONE_STAGE and cfg.get("stage", "all") != "all":  # a stage name meant for mtp-prep or mtp-clp
+        raise ConfigError(f"stage: {ONE_STAGE[command]} has no stages, got stage={cfg.stage!r} (mtp-prep and "
+                          "mtp-clp have stages); leave it out or use stage=all")
     token = _JUDGED.set(judged_keys(cfg, command))
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]

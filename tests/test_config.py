@@ -146,6 +146,16 @@ def test_each_command_refuses_a_bad_value_of_a_key_it_reads(compose_cfg, overrid
         validate(compose_cfg("backbone=tiny", override), command=command)
 
 
+@pytest.mark.bad_input
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_stage_is_refused_by_the_commands_that_have_none(compose_cfg, command):
+    """hostile round 4: `mtp-train stage=bogus` (or stage=fit, meant for mtp-clp) ran the whole training."""
+    with pytest.raises(ConfigError, match=rf"^stage: mtp-{command} has no stages, got stage='bogus'"):
+        validate(compose_cfg("backbone=tiny", "stage=bogus"), command=command)
+    validate(compose_cfg("backbone=tiny", "stage=all"), command=command)
+    validate(compose_cfg("backbone=tiny", "stage=fit"), command="clp")  # mtp-clp's stages are its own
+
+
 def test_mtp_clp_judges_only_the_eval_key_its_calibration_reads(compose_cfg):
     validate(compose_cfg("backbone=tiny", "eval.rounds=0"), command="clp")  # a timing setting it never uses
 
@@ -433,6 +443,11 @@ def test_a_full_disk_is_one_line_however_the_writing_library_reports_it(compose_
     assert write_failure(OSError(errno.ENOSPC, "No space left on device", "/runs/x/heads.safetensors")) == \
         "/runs/x/heads.safetensors: No space left on device"
     assert write_failure(ValueError("shapes differ")) is None
+    # hostile round 4: a full disk during Lightning's checkpoint save surfaced as torch's zip writer error
+    short = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 10048 vs 9984")
+    assert write_failure(short).startswith("torch.save could not write a checkpoint, the disk is probably full")
+    assert "file write failed" in write_failure(RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed"))
+    assert write_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
 
     def task(cfg, typed):
         raise full
@@ -445,13 +460,17 @@ def test_a_full_disk_is_one_line_however_the_writing_library_reports_it(compose_
 
 
 @pytest.mark.bad_input
-def test_a_root_that_is_a_file_is_named_not_a_manifest_below_it(typed_cfg, tmp_path):
+def test_a_root_that_is_a_file_is_named_not_a_manifest_below_it(typed_cfg, compose_cfg, tmp_path):
     """MTP_ROOT set to a file: the error blamed distilled/manifest.json below it (hostile round 3)."""
     precious = tmp_path / "precious.txt"
     precious.write_text("keep")
     with pytest.raises(ConfigError, match=r"^paths\.root_dir: .*precious\.txt is a file, not a directory "
                                           r"\(paths\.root_dir comes from \$MTP_ROOT"):
         typed_cfg(f"paths.root_dir={precious}")
+    # hostile round 4: the commands did not judge paths.*, so the manifest below was still blamed
+    for command in ("prep", "train", "clp", "eval"):
+        with pytest.raises(ConfigError, match=r"^paths\.root_dir: .*precious\.txt is a file"):
+            validate(compose_cfg("backbone=tiny", f"paths.root_dir={precious}"), command=command)
     assert precious.read_text() == "keep"
 
 

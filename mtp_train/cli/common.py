@@ -63,6 +63,9 @@ def compose_config(overrides: list[str]) -> Config:
 _WRITE_WORDS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
                 "File too large")
 
+# how torch.save's zip writer words a write that fell short
+_TORCH_SAVE_WORDS = ("PytorchStreamWriter failed writing", "unexpected pos")
+
 
 def write_failure(error: BaseException) -> str | None:
     """'<file>: <reason>' when `error` is a write the filesystem refused (a full disk, read-only,
@@ -73,6 +76,9 @@ def write_failure(error: BaseException) -> str | None:
     for words in _WRITE_WORDS:
         if words in text:
             return f"{type(error).__name__}: {words} ({text.splitlines()[0][:200] if text else ''})"
+    if isinstance(error, RuntimeError) and any(w in text for w in _TORCH_SAVE_WORDS):
+        # torch.save's zip writer reports a short write (a full disk) without the OS's reason
+        return f"torch.save could not write a checkpoint, the disk is probably full ({text.strip().splitlines()[0][:160]})"
     return None
 
 
