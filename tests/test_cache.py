@@ -91,6 +91,19 @@ def test_cache_is_keyed_and_used_only_for_matching_inputs(cached, typed_cfg, cap
     other = typed_cfg(*FAST, "train.max_length=80")
     assert open_cache(other, backbone) is None  # another row length: another key
     assert open_cache(typed_cfg(*FAST, "train.use_cache=false"), backbone) is None
+    # hostile round 4: a damaged manifest made training fall back to the live backbone without a word
+    from mtp_train.errors import DataError
+
+    manifest = path / "manifest.json"
+    good = manifest.read_text()
+    try:
+        for damaged, why in (("{not json", "not a readable JSON object"), ("[]", "not a readable JSON object"),
+                             (json.dumps({**json.loads(good), "config_hash": "x"}), "records key 'x'")):
+            manifest.write_text(damaged)
+            with pytest.raises(DataError, match=rf"manifest.json: {why}, not this cache's .*delete it and run"):
+                open_cache(cfg, backbone)
+    finally:
+        manifest.write_text(good)
     import logging
 
     with caplog.at_level(logging.INFO):
@@ -258,6 +271,11 @@ def test_a_damaged_cache_is_refused_naming_the_file_and_a_leftover_temporary_is_
         (edit("train-00000.npy", lambda a: a[:, :-1]), r"train-00000\.npy: hidden states float16 of shape \[\d+, 63\]"),
         (edit("train-00000.stats.npy", lambda a: a[:, :1]), r"train-00000\.stats\.npy: stats float32 of shape"),
         (edit("train-00000.top.npy", lambda a: a.astype(np.float32)), r"top\.npy: greedy tokens float32"),
+        # hostile round 4: non-finite states trained to NaN losses without naming the cache
+        (edit("train-00001.npy", lambda a: np.where(np.arange(len(a))[:, None] == 5, np.nan, a).astype(a.dtype)),
+         r"train-00001\.npy: hidden states hold NaN or inf at token 5"),
+        (edit("validation-00000.stats.npy", lambda a: np.where(np.arange(len(a))[:, None] == 2, np.inf, a).astype(a.dtype)),
+         r"validation-00000\.stats\.npy: stats hold NaN or inf at token 2"),
         (drop_shard, r"train-00001\.npy: train has 8 rows in 1 shard\(s\) up to this missing one, the manifest says 24"),
         # same shape and dtype, other values: only the manifest's digests can tell
         (edit("train-00001.npy", np.zeros_like), r"train-00001\.npy: its contents changed after the cache was built"),

@@ -85,6 +85,16 @@ def sidecar(hidden_file: Path, what: str) -> Path:
     return hidden_file.with_name(f"{hidden_file.stem}.{what}.npy")
 
 
+def _first_non_finite(arr: np.ndarray, chunk: int = 1 << 16) -> int | None:
+    """The first row of `arr` (tokens, ...) holding NaN or inf, None when all are finite; read in chunks of
+    rows, so a memory-mapped shard is never copied whole."""
+    for start in range(0, arr.shape[0], chunk):
+        bad = ~np.isfinite(arr[start:start + chunk])
+        if bad.any():
+            return start + int(np.argwhere(bad)[0][0])
+    return None
+
+
 _VERIFIED: set[tuple[str, str, str]] = set()  # caches whose digests this process has checked
 
 
@@ -172,6 +182,12 @@ class HiddenCache:
             bad = int(top.min()) if int(top.min()) < 0 else int(top.max())
             raise self._damaged(sidecar(f, "top"), f"greedy token id {bad} outside the vocabulary "
                                 f"[0, {self.vocab_size if self.vocab_size is not None else '?'})")
+        if self._verify:  # with the digests: a cache built from a backbone that overflowed is named, not trained on
+            for what, arr, where in (("hidden states", hidden, f), ("stats", stats, sidecar(f, "stats")),
+                                     ("auxiliary states", aux, sidecar(f, "aux"))):
+                if arr is not None and (row := _first_non_finite(arr)) is not None:
+                    raise self._damaged(where, f"{what} hold NaN or inf at token {row} (the backbone's output "
+                                        "when the cache was built overflowed, or the file was edited)")
         layers = m.get("aux_layers")
         if layers and (aux is None or aux.ndim != 2 or aux.shape[0] != n
                        or (width is not None and aux.shape[1] != len(layers) * width)):

@@ -127,7 +127,13 @@ def open_cache(cfg: Config, backbone, aux_layers=FROM_CONFIG):
         return None
     key, path = cache_location(cfg, backbone, aux_layers)
     m = read_manifest(path)
-    if m is None or m.get("config_hash") != key:
+    if (path / layout.MANIFEST).exists() and (not isinstance(m, dict) or m.get("config_hash") != key):
+        # written atomically and named by its key: a manifest that does not parse or names another key
+        # was edited or damaged; training would otherwise fall back to the live backbone without a word
+        what = "not a readable JSON object" if not isinstance(m, dict) else f"records key {m.get('config_hash')!r}"
+        raise DataError(f"{path / layout.MANIFEST}: {what}, not this cache's {key!r}; the cache is damaged: "
+                        "delete it and run `mtp-prep stage=cache` again")
+    if m is None:
         log.info("no hidden-state cache for these inputs (mtp-prep stage=cache builds one); "
                  "running the backbone live")
         return None
