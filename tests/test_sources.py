@@ -101,6 +101,7 @@ def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
         json.dumps({"prompt": "prompt without answer"}),
         json.dumps({"prompt": 5, "response": None}),
         json.dumps({"messages": "not a list"}),
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
     ]
     path = tmp_path / "user.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -108,7 +109,10 @@ def test_jsonl_bad_rows_are_skipped_counted_and_warned(tmp_path, caplog):
     convs = list(sources.read_jsonl(path, stats, keep_prompt_only=False))
     assert [c["messages"][-1]["content"] for c in convs] == ["2", "hey"]
     assert stats.dropped["malformed JSON line"] == 2
-    assert stats.bad_lines == [2, 5, 6, 9, 10]
+    assert stats.bad_lines == [2, 5, 6, 7, 8]  # the first dropped rows, whatever the reason
+    # hostile round 4: rows dropped by the message rules had no line number
+    assert stats.lines["empty prompt"] == [7] and stats.lines["no assistant turn"] == [8]
+    assert stats.lines["unknown role or non-text content"] == [11]
     assert stats.dropped['row without "prompt" or "messages"'] == 1
     assert stats.dropped['"prompt" is not text'] == 1 and stats.dropped['"messages" is not a list of turns'] == 1
     assert stats.dropped["empty prompt"] == 1

@@ -64,20 +64,22 @@ def message_fields(m) -> tuple[str | None, str | None]:
     return role, content if isinstance(content, str) else None
 
 
-def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool) -> list | None:
+def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool,
+                       line: int | None = None) -> list | None:
     """Map roles, drop leading assistant turns, cut at the first empty turn.
 
-    Returns None (and counts why) for conversations that cannot train a head: an unknown role, an
-    empty first prompt, or no assistant answer (unless `keep_prompt_only`, for self-distillation).
+    Returns None (and counts why, at the record's `line` of its file) for conversations that cannot
+    train a head: an unknown role, an empty first prompt, or no assistant answer (unless
+    `keep_prompt_only`, for self-distillation).
     """
     messages = []
     for m in raw:
         if not isinstance(m, dict):
-            stats.drop("malformed message")
+            stats.drop("malformed message", line)
             return None
         role, content = message_fields(m)
         if role is None or content is None:
-            stats.drop("unknown role or non-text content")
+            stats.drop("unknown role or non-text content", line)
             return None
         messages.append({"role": role, "content": content})
     # a conversation starts with optional system turns, then the user
@@ -86,10 +88,10 @@ def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool
     while rest and rest[0]["role"] != "user":
         rest = rest[1:]
     if not rest:
-        stats.drop("no user turn")
+        stats.drop("no user turn", line)
         return None
     if not rest[0]["content"].strip():
-        stats.drop("empty prompt")
+        stats.drop("empty prompt", line)
         return None
     for i, m in enumerate(rest):
         if not m["content"].strip():
@@ -98,7 +100,7 @@ def normalize_messages(raw: Iterable, stats: SourceStats, keep_prompt_only: bool
     if not any(m["role"] == "assistant" for m in rest):
         if keep_prompt_only:
             return system + rest[:1]
-        stats.drop("no assistant turn")
+        stats.drop("no assistant turn", line)
         return None
     # end on an assistant turn: a trailing user turn has no answer to learn from
     while rest[-1]["role"] != "assistant":
@@ -203,7 +205,7 @@ def read_sharegpt(path: Path | None, stats: SourceStats, keep_prompt_only: bool)
         if not isinstance(rec, dict) or not isinstance(rec.get("conversations"), list):
             stats.drop("record without a conversations list", line)
             continue
-        msgs = normalize_messages(rec["conversations"], stats, keep_prompt_only)
+        msgs = normalize_messages(rec["conversations"], stats, keep_prompt_only, line)
         if msgs is not None:
             yield {"id": str(rec.get("id", f"line{line}")), "messages": msgs}
     if stats.parsed == 0:
@@ -244,7 +246,7 @@ def row_to_conversation(row, default_id: str, line: int, stats: SourceStats,
     if raw is None:
         stats.drop(why, line)
         return None
-    msgs = normalize_messages(raw, stats, keep_prompt_only)
+    msgs = normalize_messages(raw, stats, keep_prompt_only, line)
     if msgs is None:
         return None
     return {"id": str(row.get("id") or default_id), "messages": msgs}
