@@ -248,9 +248,15 @@ def _load_hf(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_path(path)
+    local = Path(path)
+    if local.is_dir() and not any(local.glob("*.safetensors")) and (pickled := sorted(local.glob("*.bin"))):
+        raise BackboneError(f"backbone.path: {path} holds its weights only as pickle files ({pickled[0].name}), "
+                            "which mtp-train never loads (unpickling runs code); save the model once with "
+                            "`save_pretrained(dir, safe_serialization=True)` and point backbone.path there")
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # safetensors only: transformers would otherwise fall back to unpickling pytorch_model.bin
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     except (OSError, ValueError) as e:
         raise BackboneError(
             f"backbone.path: cannot load a causal LM from {path!r} ({str(e).splitlines()[0]}). "

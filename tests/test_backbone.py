@@ -75,6 +75,29 @@ def test_local_hf_directory_loads_frozen(tmp_path, tiny_backbone):
     torch.testing.assert_close(bb.lm_head.weight, tiny_backbone.lm_head.weight)
 
 
+@pytest.mark.bad_input
+def test_a_backbone_saved_only_as_pickle_is_refused_without_unpickling(tmp_path, tiny_backbone, monkeypatch):
+    """hostile round 4: a directory holding only pytorch_model.bin ended in a traceback; transformers
+    would unpickle it. Refused in one line, and torch.load is never called."""
+    import shutil
+
+    tiny_backbone.model.save_pretrained(tmp_path / "m")
+    tiny_backbone.tokenizer.save_pretrained(tmp_path / "m")
+    for f in (tmp_path / "m").glob("*.safetensors"):  # as older transformers saved: the weights pickled
+        f.unlink()
+    torch.save(tiny_backbone.model.state_dict(), tmp_path / "m" / "pytorch_model.bin")
+    assert (tmp_path / "m" / "pytorch_model.bin").is_file() and not list((tmp_path / "m").glob("*.safetensors"))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle file was loaded"))
+    with pytest.raises(BackboneError, match=r"^backbone.path: .*/m holds its weights only as pickle files "
+                                            r"\(pytorch_model.bin\)"):
+        load_backbone(BackboneConfig(name="x", source="hf", path=str(tmp_path / "m")))
+    # beside safetensors, the pickle is left alone: transformers is told to read safetensors only
+    shutil.copy(tmp_path / "m" / "pytorch_model.bin", tmp_path / "bin-copy")
+    tiny_backbone.model.save_pretrained(tmp_path / "m")
+    shutil.copy(tmp_path / "bin-copy", tmp_path / "m" / "pytorch_model.bin")
+    load_backbone(BackboneConfig(name="x", source="hf", path=str(tmp_path / "m")))
+
+
 def test_other_weights_at_the_same_hf_path_are_another_backbone(tmp_path, tiny_backbone):
     """Every stage keys on backbone_identity: weights replaced at the same backbone.path left the
     data, the cache, the recipe and the evaluation all "up to date" (hostile round 5)."""
