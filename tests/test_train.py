@@ -447,8 +447,12 @@ def test_export_refuses_a_deeper_checkpoint_and_drops_another_runs_figures(typed
     export_heads(tmp_path / "k3b", tmp_path / "k3" / "checkpoints" / "last.ckpt")  # not k3b's own
     meta = json.loads((tmp_path / "k3b" / "heads.json").read_text())
     assert set(meta["metrics"]) == {"exported_from"} and not (tmp_path / "k3b" / TREE_STATS).exists()
-    export_heads(tmp_path / "k3")  # its own last.ckpt: its figures stay
-    assert "val/sim_tau" in json.loads((tmp_path / "k3" / "heads.json").read_text())["metrics"]
+    assert meta["run"]["elapsed_s"] is None  # how long those weights trained is not known here
+    trained = json.loads((tmp_path / "k3" / "heads.json").read_text())["run"]
+    export_heads(tmp_path / "k3")  # its own last.ckpt: its figures stay, and its training time (hostile round 4)
+    meta = json.loads((tmp_path / "k3" / "heads.json").read_text())
+    assert "val/sim_tau" in meta["metrics"] and trained["elapsed_s"] > 0
+    assert meta["run"]["elapsed_s"] == trained["elapsed_s"] and meta["run"]["world_size"] == trained["world_size"]
 
 
 @pytest.mark.bad_input

@@ -162,7 +162,9 @@ def _export_heads(run_dir: Path, checkpoint: Path | None = None) -> Path:
             log.warning("%s: removed %s (it described the run's own weights); run mtp-train on the run "
                         "directory to record it for these", run_dir, layout.TREE_STATS)
     # the run's own weights keep what made them (steps, rows, the cache); others are of unknown make
-    path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics, recipe=meta.get("recipe"))
+    run = meta.get("run") or {}  # the run's own weights keep how long and on how many devices they trained
+    path = save_heads(run_dir, heads, backbone, cfg, metrics=metrics, recipe=meta.get("recipe"),
+                      world_size=run.get("world_size") or 1, elapsed_s=run.get("elapsed_s"))
     log.info("heads written to %s", path)
     return path
 
