@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 # EPYC avx512_bf16): 1.3 predicted 9.6 min for clp + eval, which took 5.3 (eval 4.4 min for 3,840
 # tokens at HF's 16.4 tokens/s = 3.9 min of HF decoding)
 DECODE_OVERHEAD = 1.0
+# the probe prompt training prices the later decodes with: HF generate's seconds per token include its
+# prefill, and the evaluation's prompts (unseen ShareGPT turns under the chat template) run to a few
+# hundred tokens. A 64-token probe read 24.2 tokens/s where the evaluation's own probe, on its first
+# prompt (~330 tokens), read 14.2 (AMX Xeon, 2026-12-06): the reserve was 1.7 times too small
+PROBE_PROMPT_TOKENS = 192
 STAGE_FIXED_S = 25.0  # start-up and loading per stage at REFERENCE_TOKEN_S
 REFERENCE_TOKEN_S = 0.05  # HF generate's seconds per token (SmolLM2-135M, bf16, AMX Xeon)
 

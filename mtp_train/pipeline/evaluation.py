@@ -307,7 +307,7 @@ def _run_eval(cfg: Config) -> dict:
     prompts, skipped = select_prompts(cfg, backbone)
     sized = None
     if cfg.budget.deadline is not None and prompts:
-        cfg, sized = size_to_deadline(cfg, backbone, prompts[0])
+        cfg, sized = size_to_deadline(cfg, backbone, sorted(prompts, key=len)[len(prompts) // 2])  # a typical one
     policies = load_span_policies(cfg, backbone, heads)
     adapted = adapted_backbone(backbone, prompts, cfg) if heads is not None else None
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",

@@ -221,11 +221,11 @@ def time_budget(cfg: Config, backbone, dm, resuming: bool):
     if t.time_budget_min is not None:
         seconds, relative = 60.0 * t.time_budget_min, False
     elif cfg.budget.deadline is not None:
-        from mtp_train.pipeline.budget import deadline_training_seconds
+        from mtp_train.pipeline.budget import PROBE_PROMPT_TOKENS, deadline_training_seconds
 
         dm.setup()
-        prompt = [int(x) for x in dm.splits["validation" if len(dm.splits["validation"]) else "train"][0]["input_ids"][:64]]
-        seconds, record = deadline_training_seconds(cfg, backbone, prompt)
+        row = dm.splits["validation" if len(dm.splits["validation"]) else "train"][0]["input_ids"]
+        seconds, record = deadline_training_seconds(cfg, backbone, [int(x) for x in row[:PROBE_PROMPT_TOKENS]])
         relative = True
     else:
         return None, {}
