@@ -348,16 +348,17 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     # said "calibrated yes" before, hostile round 3)
     from mtp_train.report import _predictor_metas
 
-    other_sha = file_sha256(other / "heads.safetensors")
-    metas = _predictor_metas(root / "clp", other_sha)
+    other_sha, other_heads = file_sha256(other / "heads.safetensors"), json.loads((other / "heads.json").read_text())
+    metas = _predictor_metas(root / "clp", other_heads, other_sha)
     assert set(metas) == {"clp", "gate"}
     assert all(m["calibrated"] is False and "fitted on other heads" in m["problem"] for m in metas.values())
-    assert not any("problem" in m for m in _predictor_metas(root / "clp", file_sha256(root / "train" / "heads.safetensors")).values())
+    ours = json.loads((root / "train" / "heads.json").read_text())
+    assert not any("problem" in m for m in _predictor_metas(root / "clp", ours, ours["weights_sha256"]).values())
     # mtp-clp for the other heads refitting clp only removes the gate fitted on the earlier heads (it
     # stayed beside the new clp, hostile round 3)
     run_clp(_eval_cfg(root, *clp_args[:-1], "clp.kinds=[clp]", f"clp.train_run={other}", f"paths.output_dir={root}/clp"))
     assert not (root / "clp" / "gate").exists()
-    metas = _predictor_metas(root / "clp", other_sha)
+    metas = _predictor_metas(root / "clp", other_heads, other_sha)
     assert set(metas) == {"clp"} and "problem" not in metas["clp"]
 
 
