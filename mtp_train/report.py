@@ -205,8 +205,9 @@ def predictor_problem(meta: dict, pred_dir: Path, heads: dict | None, heads_sha2
 
 
 def _predictor_metas(clp_root: Path, heads: dict | None, heads_sha256: str | None) -> dict:
-    """kind -> predictor.json for each predictor directory under clp/ (one without it: {"problem": why}), with `problem` (predictor_problem) and calibrated=False where it cannot serve these heads,
-    and `shown_threshold`, the saved threshold where it passes its checks."""
+    """kind -> predictor.json for each predictor directory under clp/ (one without it: {"problem": why}),
+    with `problem` (predictor_problem) and calibrated=False where it cannot serve these heads, and
+    `shown_threshold`, the saved threshold where it passes its checks."""
     from mtp_train.clp import saved_threshold
 
     out = {}
@@ -374,9 +375,8 @@ def check_report_figures(report: dict, path: Path) -> None:
         if tau is not None and (not isinstance(tau, (int, float)) or tau < 1 - 1e-9
                                 or (isinstance(k, int) and tau > k + 1 + 1e-9)):
             raise bad(f"modes.{mode}.tau", tau, f"outside [1, k + 1 = {k + 1 if isinstance(k, int) else '?'}]")
-        for key in ("greedy_match_rate",):
-            if (v := r.get(key)) is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
-                raise bad(f"modes.{mode}.{key}", v, "not a rate in [0, 1]")
+        if (v := r.get("greedy_match_rate")) is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
+            raise bad(f"modes.{mode}.greedy_match_rate", v, "not a rate in [0, 1]")
         for i, v in enumerate(r.get("acceptance") or []):
             if v is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
                 raise bad(f"modes.{mode}.acceptance[{i}]", v, "not a rate in [0, 1]")

@@ -328,7 +328,7 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_before_hydra_wri
 def test_a_command_refuses_another_commands_run_directory_before_hydra_writes_there(tmp_path):
     """mtp-eval with hydra.run.dir = mtp-train's run wrote its .hydra/ over the run's own (hostile
     round 3, P1): exit 2, one line naming the key and the owner, the run's record untouched."""
-    from mtp_train.cli.sweep import other_commands_run
+    from mtp_train.cli.sweep import other_commands_run, prepared_data
 
     run = tmp_path / "train"
     (run / ".hydra").mkdir(parents=True)
@@ -340,8 +340,7 @@ def test_a_command_refuses_another_commands_run_directory_before_hydra_writes_th
     (tmp_path / "clp" / "stage_times.json").write_text("{}")
     assert other_commands_run(tmp_path / "clp", "eval") == ("mtp-clp", "stage_times.json")
     assert other_commands_run(tmp_path / "clp", "clp") is None
-    from mtp_train.cli.sweep import prepared_data  # hostile round 4: mtp-eval could write into the data
-
+    # hostile round 4: mtp-eval could write into the prepared data
     (tmp_path / "data" / "labelled").mkdir(parents=True)
     assert prepared_data(tmp_path / "data") is None
     (tmp_path / "data" / "labelled" / "manifest.json").write_text("{}")
