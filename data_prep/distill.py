@@ -67,10 +67,17 @@ def _shards(n_rows: int, size: int) -> list[tuple[int, int]]:
 
 
 def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_length: int,
-            force: bool = False, backbone_dir: Path | None = None) -> dict:
+            force: bool = False, backbone_dir: Path | None = None, stop_at: float | None = None) -> dict:
     """Generate answers for the prompts of `source_dir`; writes a DatasetDict to `out_dir`.
     `backbone_dir`: where the backbone's weights are, for data.distill.engine=vllm (None: a backbone
-    built in code, saved for the engine under the shards directory)."""
+    built in code, saved for the engine under the shards directory).
+
+    `stop_at` (a unix time; budget.distill_share under a deadline): the validation shards run first,
+    then the train shards until the next one would end past `stop_at` (priced at this run's seconds
+    per row so far), but never before data.distill.min_train_prompts (at least one) train prompts
+    are done. What
+    is done is published, its manifest says how far it got (`stopped_at_budget`) and the finished
+    shards are kept: a later run with a deadline reuses the rows, one without distils the rest."""
     from datasets import DatasetDict, concatenate_datasets, load_from_disk
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
@@ -82,12 +89,18 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
                         backbone.identity)
     wanted = config_hash(plan)
     if not force and is_up_to_date(out_dir, wanted):
-        try:
-            load_prepared(out_dir)  # up to date by its manifest, and its files still read whole
-            log.info("distill: %s is up to date, skipping (force=true regenerates)", out_dir)
-            return read_manifest(out_dir)
-        except DataError as e:
-            log.warning("distill: %s; distilling again", e)
+        cut = read_manifest(out_dir).get("stopped_at_budget")
+        if cut and stop_at is None:
+            log.info("distill: %s holds %d of %d train prompts (a deadline stopped it); distilling the rest",
+                     out_dir, cut["train_prompts"], cut["planned"])
+        else:
+            try:
+                load_prepared(out_dir)  # up to date by its manifest, and its files still read whole
+                log.info("distill: %s is up to date%s, skipping (force=true regenerates)", out_dir,
+                         f" ({cut['train_prompts']} of {cut['planned']} train prompts)" if cut else "")
+                return read_manifest(out_dir)
+            except DataError as e:
+                log.warning("distill: %s; distilling again", e)
 
     shards_dir = layout_shards_dir(out_dir)
     old_plan = read_json(shards_dir / PLAN)
@@ -100,10 +113,11 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
 
     source = load_prepared(source_dir)
     caps = {"train": cfg.max_train_prompts, "validation": cfg.max_val_prompts}
-    work = []  # (split, shard index, start, end)
-    for split in SPLITS:
+    work = []  # (split, shard index, start, end); validation first: a deadline stops train shards only
+    for split in ("validation", "train"):
         n = len(source[split]) if caps[split] is None else min(caps[split], len(source[split]))
         work += [(split, i, s, e) for i, (s, e) in enumerate(_shards(n, cfg.shard_size))]
+    planned_train = sum(e - s for sp, _, s, e in work if sp == "train")
     total = sum(e - s for _, _, s, e in work)
     done = [w for w in work if (shards_dir / _shard_name(w)).is_dir()]
     rows_done = sum(e - s for _, _, s, e in done)
@@ -112,23 +126,36 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
 
     model = backbone.model
     device = backbone.device
-    t0, new_tokens = time.time(), 0
+    t0, new_tokens, rows_run = time.time(), 0, 0
+    train_done = sum(e - s for sp, _, s, e in done if sp == "train")
+    stopped = None
     bar = tqdm(total=total, initial=rows_done, unit="row", desc="self-distill", dynamic_ncols=True)
     with _engine(cfg, backbone, backbone_dir, shards_dir, needed=len(done) < len(work)) as engine:
         for w in work:
             if (shards_dir / _shard_name(w)).is_dir():
                 continue
             split, idx, start, end = w
+            if stop_at is not None and split == "train" and train_done >= max(1, cfg.min_train_prompts) and rows_run:
+                ends = time.time() + (time.time() - t0) / rows_run * (end - start)
+                if ends > stop_at:
+                    stopped = {"train_prompts": train_done, "planned": planned_train}
+                    log.info("distill: stopping at the budget after %d of %d train prompts (the next shard "
+                             "would end %.1f min past its share of the deadline)", train_done, planned_train,
+                             (ends - stop_at) / 60)
+                    break
             rows = source[split].select(range(start, end))
             records, skipped, n_new, states = _generate_shard(
                 model, tok, rows, cfg, max_length, device,
                 seed=cfg.seed * 100_003 + idx + (split == "validation") * 50_000, engine=engine)
             new_tokens += n_new
             _save_shard(shards_dir, w, records, skipped, source[split].features, states)
+            rows_run += end - start
+            train_done += (end - start) * (split == "train")
             bar.update(end - start)
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     bar.close()
 
+    work = [w for w in work if (shards_dir / _shard_name(w)).is_dir()]  # all of them unless stopped
     parts, skipped = {s: [] for s in SPLITS}, Counter()
     for w in work:
         path = shards_dir / _shard_name(w)
@@ -153,13 +180,16 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
         "elapsed_s_this_run": round(time.time() - t0, 1),
         "new_tokens_per_s_this_run": round(new_tokens / max(time.time() - t0, 1e-9), 1),
     }
+    if stopped:
+        manifest["stopped_at_budget"] = stopped
     tmp = temp_dir_for(out_dir)
     result.save_to_disk(str(tmp))
     if cfg.keep_states and cfg.engine == "hf":  # the engine keeps none: the cache stage computes them
-        _gather_states(shards_dir, work, tmp / STATES, plan, {s: len(result[s]) for s in SPLITS})
+        _gather_states(shards_dir, work, tmp / STATES, plan, {s: len(result[s]) for s in SPLITS}, keep=bool(stopped))
     write_json_atomic(tmp / MANIFEST, manifest)
     publish_dir(tmp, out_dir)
-    shutil.rmtree(shards_dir, ignore_errors=True)
+    if not stopped:  # a stopped run keeps its shards (their states moved out above) for one that finishes it
+        shutil.rmtree(shards_dir, ignore_errors=True)
     return manifest
 
 
@@ -215,8 +245,10 @@ def _empty(source_features):
     return Dataset.from_dict({k: [] for k in feats}, features=feats)
 
 
-def _gather_states(shards_dir: Path, work, out: Path, plan: dict, rows: dict) -> None:
-    """The shards' states, renumbered per split in row order, as one `HiddenCache` directory."""
+def _gather_states(shards_dir: Path, work, out: Path, plan: dict, rows: dict, keep: bool = False) -> None:
+    """The shards' states, renumbered per split in row order, as one `HiddenCache` directory (copied
+    with `keep`, for shards a later run finishes from; moved otherwise)."""
+    place = shutil.copyfile if keep else shutil.move
     n = dict.fromkeys(SPLITS, 0)
     for w in work:
         src = shards_dir / _shard_name(w) / SHARD_STATES
@@ -225,8 +257,8 @@ def _gather_states(shards_dir: Path, work, out: Path, plan: dict, rows: dict) ->
         dst = shard_file(out, w[0], n[w[0]])
         out.mkdir(parents=True, exist_ok=True)
         for what in ("offsets", "stats", "top"):
-            shutil.move(sidecar(src, what), sidecar(dst, what))
-        shutil.move(src, dst)
+            place(sidecar(src, what), sidecar(dst, what))
+        place(src, dst)
         n[w[0]] += 1
     write_json_atomic(out / MANIFEST, {"stage": "states", "dtype": STATES_DTYPE,
                                        "compute": plan["generation"]["autocast"],

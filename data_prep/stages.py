@@ -78,11 +78,28 @@ def _stage_distill(cfg: Config) -> dict:
     from mtp_train.pipeline.serving import backbone_for_serving
 
     m = distill(labelled_dir(cfg), distilled_dir(cfg), backbone, cfg.data.distill,
-                cfg.data.max_length, force=cfg.force, backbone_dir=backbone_for_serving(cfg.backbone))
+                cfg.data.max_length, force=cfg.force, backbone_dir=backbone_for_serving(cfg.backbone),
+                stop_at=distill_stop_at(cfg))
+    cut = m.get("stopped_at_budget")
     return {"where": str(distilled_dir(cfg)),
             "rows": f"train {m['splits']['train']:,} / val {m['splits']['validation']:,} "
-                    f"({m['finished_with_eos']['train']:,} train answers ended with end-of-turn)",
+                    f"({m['finished_with_eos']['train']:,} train answers ended with end-of-turn)"
+                    + (f"; the budget stopped it at {cut['train_prompts']:,} of {cut['planned']:,} train prompts"
+                       if cut else ""),
             "tokens": f"{m['answer_tokens']['train']:,} answer tokens (train)"}
+
+
+def distill_stop_at(cfg: Config, now: float | None = None) -> float | None:
+    """When distillation stops starting train shards: budget.distill_share of the time left to
+    budget.deadline (None without a deadline or a share)."""
+    b = cfg.budget
+    if b.deadline is None or b.distill_share <= 0:
+        return None
+    from mtp_train.pipeline.budget import check_deadline
+
+    now = time.time() if now is None else now
+    check_deadline(b.deadline, now)
+    return now + b.distill_share * max(0.0, b.deadline - now)
 
 
 def _stage_cache(cfg: Config) -> dict:

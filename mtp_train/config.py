@@ -231,6 +231,8 @@ class DistillConfig:
     shard_size: int = 64
     max_train_prompts: int | None = None  # None: every train prompt
     max_val_prompts: int | None = None
+    # under budget.distill_share, the train prompts distilled before the deadline's share may stop it
+    min_train_prompts: int = 0
     # auto: bfloat16 where the hardware has it (CUDA, AVX512-BF16/AMX CPUs), else float32; the
     # hidden-state cache computes in the same dtype (so it can reuse the states kept below)
     autocast: str = "auto"
@@ -247,6 +249,7 @@ class DistillConfig:
         for name in ("max_train_prompts", "max_val_prompts"):
             v = getattr(self, name)
             check(v is None or v >= 0, f"data.distill.{name}", "must be >= 0 or null")
+        check(self.min_train_prompts >= 0, "data.distill.min_train_prompts", "must be >= 0")
         check(self.temperature > 0, "data.distill.temperature", "must be > 0")
         check(0 < self.top_p <= 1, "data.distill.top_p", "must be in (0, 1]")
         check_choice(self.autocast, ("auto", *DTYPES), "data.distill.autocast")
@@ -361,13 +364,16 @@ class TrainConfig:
 @dataclass
 class BudgetConfig:
     """A wall-clock deadline for a pipeline run stage by stage (make demo sets it): the stages that
-    can be sized size themselves to end by it. Training takes the time left before the deadline
-    minus what the stages after it are predicted to take (`after_train`, from the backbone's decoding
-    speed measured on this machine; mtp_train/pipeline/budget.py) and minus `margin_min`."""
+    can be sized size themselves to end by it. Distillation takes at most `distill_share` of the time
+    left when it starts (data.distill.min_train_prompts at least). Training takes the time left before
+    the deadline minus what the stages after it are predicted to take (`after_train`, from the
+    backbone's decoding speed measured on this machine; mtp_train/pipeline/budget.py) and minus
+    `margin_min`."""
 
     deadline: float | None = None  # unix time (seconds); null: no deadline
     after_train: list[str] = field(default_factory=list)  # stages run after training: clp, eval
     margin_min: float = 1.0
+    distill_share: float = 0.0  # 0: distillation answers every planned prompt, deadline or not
 
     def __post_init__(self) -> None:
         check(self.deadline is None or math.isfinite(self.deadline), "budget.deadline",
@@ -376,6 +382,8 @@ class BudgetConfig:
             check_choice(s, ("clp", "eval"), "budget.after_train")
         check(math.isfinite(self.margin_min) and self.margin_min >= 0, "budget.margin_min",
               f"must be a number of minutes >= 0, got {self.margin_min}")
+        check(0 <= self.distill_share <= 1, "budget.distill_share",
+              f"must be a share of the time left in [0, 1], got {self.distill_share}")
 
 
 @dataclass

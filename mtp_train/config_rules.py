@@ -16,7 +16,7 @@ from mtp_train.errors import ConfigError
 # (scripts, benchmarks and tests that compose a config for several stages)
 READS: dict[str, tuple[str, ...]] = {
     "prep": ("seed", "stage", "force", "paths", "backbone", "data", "heads.type", "heads.aux_layers",
-             "train.data_use", "train.max_length"),
+             "train.data_use", "train.max_length", "budget.deadline", "budget.distill_share"),
     "train": ("seed", "stage", "force", "paths", "backbone", "data", "heads", "loss", "train", "budget"),  # + eval with train.eval_after
     "clp": ("seed", "stage", "force", "paths", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
             "train.max_length", "train.use_cache"),  # calibration decodes eval.max_new_tokens

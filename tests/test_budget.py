@@ -244,6 +244,8 @@ def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(type
     (["train.min_steps=0"], "train.min_steps"),
     (["budget.after_train=[train]"], "budget.after_train"),
     (["budget.deadline=nan"], "budget.deadline"),
+    (["budget.distill_share=1.5"], "budget.distill_share"),
+    (["data.distill.min_train_prompts=-1"], "data.distill.min_train_prompts"),
 ])
 def test_bad_budget_settings_name_their_key(typed_cfg, overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -317,3 +319,15 @@ def test_a_resumed_run_with_another_save_interval_keeps_saving_to_the_checkpoint
     # resumed in another precision: heads.json names both, in order, not the last only (hostile round 3)
     record = json.loads((run / "heads.json").read_text())["recipe"]["precision"]
     assert record["used"] == "bf16-mixed" and record["history"] == ["32-true", "bf16-mixed"]
+
+
+def test_distillation_stops_at_its_share_of_the_time_left_to_the_deadline(typed_cfg):
+    from data_prep.stages import distill_stop_at
+
+    now = 1.8e9
+    assert distill_stop_at(typed_cfg(*FAST, f"budget.deadline={now + 1200}", "budget.distill_share=0.25"), now) == now + 300
+    assert distill_stop_at(typed_cfg(*FAST, f"budget.deadline={now - 60}", "budget.distill_share=0.25"), now) == now
+    assert distill_stop_at(typed_cfg(*FAST, f"budget.deadline={now + 1200}"), now) is None  # no share: no stop
+    assert distill_stop_at(typed_cfg(*FAST, "budget.distill_share=0.25"), now) is None  # no deadline
+    with pytest.raises(ConfigError, match="budget.deadline"):
+        distill_stop_at(typed_cfg(*FAST, f"budget.deadline={now + 1e6}", "budget.distill_share=0.25"), now)

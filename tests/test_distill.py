@@ -100,7 +100,7 @@ def test_kill_and_resume_gives_exactly_the_uninterrupted_rows(tmp_path, labelled
     with pytest.raises(KeyboardInterrupt):
         distill_mod.distill(src, tmp_path / "resumed", tiny_backbone, dcfg, 128)
     shards = tmp_path / "resumed.shards"
-    assert sorted(p.name for p in shards.iterdir() if p.is_dir()) == ["train-00000", "train-00001"]
+    assert sorted(p.name for p in shards.iterdir() if p.is_dir()) == ["train-00000", "validation-00000"]
     assert not (tmp_path / "resumed").exists()
 
     def counting_gen(*args, **kw):
@@ -110,9 +110,55 @@ def test_kill_and_resume_gives_exactly_the_uninterrupted_rows(tmp_path, labelled
     monkeypatch.setattr(distill_mod, "_save_shard", real_save)
     monkeypatch.setattr(distill_mod, "_generate_shard", counting_gen)
     distill_mod.distill(src, tmp_path / "resumed", tiny_backbone, dcfg, 128)
-    assert len(generated) == 2  # of 4 shards (3 train, 1 validation), the last two
+    assert len(generated) == 2  # of 4 shards (1 validation, then 3 train), the last two
     assert _rows(tmp_path / "resumed") == _rows(tmp_path / "straight")
     assert not shards.exists()
+
+
+def _states(out):
+    """{file name: array} of a distilled directory's kept states."""
+    import numpy as np
+
+    return {f.name: np.load(f) for f in sorted((out / "states").glob("*.npy"))}
+
+
+def test_a_deadline_stops_the_train_shards_and_a_run_without_one_finishes_them(tmp_path, labelled, tiny_backbone,
+                                                                               monkeypatch):
+    import time
+
+    import numpy as np
+
+    src = tmp_path / "labelled"
+    distill_mod.distill(src, tmp_path / "straight", tiny_backbone, DCFG, 128)
+    straight = _rows(tmp_path / "straight")
+    dcfg = dataclasses.replace(DCFG, min_train_prompts=5)
+    # a stop already passed: the validation shard, then train shards up to the floor (one shard of 8)
+    m = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128, stop_at=time.time() - 1)
+    assert m["stopped_at_budget"] == {"train_prompts": 8, "planned": 20}
+    assert m["splits"] == {"train": 8, "validation": 6}
+    cut = _rows(tmp_path / "cut")
+    assert cut["validation"] == straight["validation"] and cut["train"] == straight["train"][:8]
+    states = json.loads((tmp_path / "cut" / "states" / "manifest.json").read_text())
+    assert states["rows"] == {"train": 8, "validation": 6}
+    assert (tmp_path / "cut.shards").is_dir()  # kept for a run that finishes it
+    # the stop's time is honoured, not just the floor: a stop an hour away distils every prompt
+    far = distill_mod.distill(src, tmp_path / "far", tiny_backbone, dcfg, 128, stop_at=time.time() + 3600)
+    assert "stopped_at_budget" not in far and far["splits"] == {"train": 20, "validation": 6}
+
+    def boom(*a, **k):
+        raise AssertionError("should not generate again")
+
+    monkeypatch.setattr(distill_mod, "_generate_shard", boom)  # another deadline: the rows are reused
+    again = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128, stop_at=time.time() - 1)
+    assert again["stopped_at_budget"] == m["stopped_at_budget"]
+    monkeypatch.undo()
+    # no deadline: the rest is distilled, to exactly the uninterrupted run's rows and states
+    full = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128)
+    assert "stopped_at_budget" not in full and full["splits"] == {"train": 20, "validation": 6}
+    assert _rows(tmp_path / "cut") == straight
+    a, b = _states(tmp_path / "cut"), _states(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "cut.shards").exists()
 
 
 def test_changed_settings_discard_old_shards(tmp_path, labelled, tiny_backbone, monkeypatch):
