@@ -512,7 +512,9 @@ def _budget_section(heads: dict | None, report: dict | None, times: dict) -> lis
     md = ["## Time budget", ""]
     if b:
         if b.get("cpu"):
-            md.append(f"- machine: {b['cpu']}; HF generate {1 / b['after_train']['token_s']:.1f} tokens/s in "
+            a = b["after_train"]
+            prefill = f" after a {a['prefill_s']:.2f} s prefill" if a.get("prefill_s") is not None else ""
+            md.append(f"- machine: {b['cpu']}; HF generate {1 / a['token_s']:.1f} tokens/s{prefill} in "
                       f"{b.get('dtype')} (the probe that prices the later stages)")
         if b.get("deadline") is not None:
             after = b["after_train"]

@@ -229,11 +229,11 @@ def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(type
                     "clp.thresholds=[0.9,0.8]")
     # eval: 20 prompts x 2 rounds x (HF + 3 modes + HF sampled + verify and tree sampled) + the dtype probe
     assert decodes_after_train(cfg) == {"clp": 3 * 3, "eval": 20 * 2 * (4 + 3) + 4}
-    p = predict_after_train(cfg, 0.1)
-    tokens = cfg.eval.max_new_tokens * (9 + 284)
-    from mtp_train.pipeline.budget import DECODE_OVERHEAD, STAGE_FIXED_S
+    from mtp_train.pipeline.budget import DECODE_OVERHEAD, STAGE_FIXED_S, Rate
 
-    assert p["total_s"] == pytest.approx(tokens * 0.1 * DECODE_OVERHEAD + 2 * STAGE_FIXED_S * 2, abs=0.2)
+    p = predict_after_train(cfg, Rate(prefill_s=0.5, token_s=0.1))
+    one = 0.5 + (cfg.eval.max_new_tokens - 1) * 0.1  # a prefill (with the first token), then the rest
+    assert p["total_s"] == pytest.approx((9 + 284) * one * DECODE_OVERHEAD + 2 * STAGE_FIXED_S * 2, abs=0.2)
     assert decodes_after_train(typed_cfg(*FAST)) == {}
 
 
@@ -263,11 +263,11 @@ def test_a_floor_above_the_cap_is_refused_before_training(typed_cfg, tmp_path):
 
 
 def test_an_evaluation_is_cut_to_its_deadline_sampling_first_then_modes_then_tokens(typed_cfg):
-    from mtp_train.pipeline.budget import MIN_EVAL_TOKENS, eval_seconds, size_eval
+    from mtp_train.pipeline.budget import MIN_EVAL_TOKENS, Rate, eval_seconds, size_eval
 
     cfg = typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
                     "eval.sampling.temperatures=[0,1.0]")
-    tok = 0.1
+    tok = Rate(prefill_s=0.3, token_s=0.1)
     full = eval_seconds(cfg, tok)
     same, cuts = size_eval(cfg, tok, full + 1)
     assert same == cfg and cuts == []
@@ -331,3 +331,16 @@ def test_distillation_stops_at_its_share_of_the_time_left_to_the_deadline(typed_
     assert distill_stop_at(typed_cfg(*FAST, "budget.distill_share=0.25"), now) is None  # no deadline
     with pytest.raises(ConfigError, match="budget.deadline"):
         distill_stop_at(typed_cfg(*FAST, f"budget.deadline={now + 1e6}", "budget.distill_share=0.25"), now)
+
+
+def test_the_decode_rate_splits_the_prefill_from_the_tokens(monkeypatch):
+    """HF generate taking 2 s to prefill and 0.1 s a token after it: the rate says so, where the old
+    seconds-per-token (one generate / its tokens) counted the prefill into every token."""
+    from mtp_train.evaluation import runner
+    from mtp_train.pipeline import budget
+
+    monkeypatch.setattr(runner, "hf_generate", lambda b, prompt, n, eos: ([0] * n, 2.0 + 0.1 * (n - 1)))
+    backbone = SimpleNamespace(model=SimpleNamespace(dtype=torch.float32))
+    rate = budget.decode_rate(backbone, [1] * 192, torch.float32)
+    assert rate.prefill_s == pytest.approx(2.0) and rate.token_s == pytest.approx(0.1)
+    assert rate.decode_s(48) == pytest.approx(2.0 + 47 * 0.1)

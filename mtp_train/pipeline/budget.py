@@ -2,15 +2,19 @@
 
 The stages before training (preparation, distillation, the cache) have run when mtp-train starts;
 the ones after it (budget.after_train: mtp-clp's calibration decodes, mtp-eval's decodes) have not.
-Their cost is predicted from the one rate that dominates them, measured here on this machine: HF
-generate's seconds per new token for the backbone in the dtype evaluation decodes in. Training
+Their cost is predicted from the rate that dominates them, measured here on this machine: HF
+generate's time for the backbone in the dtype evaluation decodes in, split into the prompt's
+prefill and the seconds per new token (`Rate`; one generate of 1 token and one of 1 + n). Training
 gets what is left: deadline - now - predicted(after) - budget.margin_min.
 
 The prediction counts decodes of eval.max_new_tokens tokens (HF generate and every mode, greedy and
 under each sampling temperature, per prompt and round; calibration's decodes per threshold) and
-prices each new token at HF generate's rate times DECODE_OVERHEAD (drafting, verifying several
-positions at once, the cost-curve and dtype probes), plus STAGE_FIXED_S per stage (start-up,
-loading the backbone) scaled by how slow this machine is against the one it was fitted on.
+prices each at one prefill plus its new tokens at HF generate's rate, times DECODE_OVERHEAD
+(drafting, verifying several positions at once, the cost-curve and dtype probes), plus
+STAGE_FIXED_S per stage (start-up, loading the backbone) scaled by how slow this machine is
+against the one it was fitted on. Dividing one generate's time by its new tokens instead counts
+the prefill as if every token paid it: with a 192-token probe and 24 tokens that priced the demo's
+clp + eval at 13.4 min where they had taken 5-6 (AMX Xeon, 2026-12-06).
 docs/training.md ("A demo sized by its deadline") has the prediction against what the stages took.
 """
 
@@ -19,16 +23,18 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from typing import NamedTuple
 
 from mtp_train.config import Config
 
 log = logging.getLogger(__name__)
 
-# seconds of a mode's token over HF generate's, the probes and curves included: the drafting modes
-# decode faster than HF generate, which pays for the curves. Fitted on make demo (2026-12-04, AMD
-# EPYC avx512_bf16): 1.3 predicted 9.6 min for clp + eval, which took 5.3 (eval 4.4 min for 3,840
-# tokens at HF's 16.4 tokens/s = 3.9 min of HF decoding)
-DECODE_OVERHEAD = 1.0
+# a decode's seconds over HF generate's, the probes, cost curves and the clp stage's fit included (the
+# drafting modes decode faster than HF generate, which pays for part of them). Fitted on make demo
+# (2026-12-06, AMX Xeon, 20 prompts x (HF + 3 modes + 3 sampled) + 12 calibration decodes of 48
+# tokens): clp + eval took 8.5 min; the probe, in a quiet training process, reads a 0.22 s prefill of
+# 192 tokens and 0.048 s a token, which at 1.2 predicts 8.6
+DECODE_OVERHEAD = 1.2
 # the probe prompt training prices the later decodes with: HF generate's seconds per token include its
 # prefill, and the evaluation's prompts (unseen ShareGPT turns under the chat template) run to a few
 # hundred tokens. A 64-token probe read 24.2 tokens/s where the evaluation's own probe, on its first
@@ -51,9 +57,21 @@ def decodes_after_train(cfg: Config) -> dict[str, int]:
     return out
 
 
-def token_seconds(backbone, prompt: list[int], dtype, n_tokens: int = 24) -> float:
-    """HF generate's seconds per new token for this backbone in `dtype` on this machine (a copy
-    in that dtype when it differs; greedy, no end of sequence, best of two after a warm-up)."""
+class Rate(NamedTuple):
+    """HF generate on this machine: seconds for the probe prompt's prefill (with its first new
+    token) and seconds per new token after it."""
+
+    prefill_s: float
+    token_s: float
+
+    def decode_s(self, new_tokens: int) -> float:
+        return self.prefill_s + max(0, new_tokens - 1) * self.token_s
+
+
+def decode_rate(backbone, prompt: list[int], dtype, n_tokens: int = 24) -> Rate:
+    """HF generate's `Rate` for this backbone in `dtype` on this machine (a copy in that dtype when
+    it differs; greedy, no end of sequence; best of three of 1 and of 1 + n_tokens new tokens, after a
+    warm-up: the same probe has read 2x slower once in a busy process, and best-of keeps such noise out)."""
     import torch
 
     from mtp_train.evaluation.runner import hf_generate
@@ -63,18 +81,20 @@ def token_seconds(backbone, prompt: list[int], dtype, n_tokens: int = 24) -> flo
         b = copy.copy(backbone)
         b.model = copy.deepcopy(backbone.model).to(dtype)
     with torch.no_grad():
-        hf_generate(b, prompt, 4, [])
-        best = min(hf_generate(b, prompt, n_tokens, [])[1] for _ in range(2))
-    return best / n_tokens
+        hf_generate(b, prompt, 1 + n_tokens, [])  # warm-up at the lengths timed
+        first = min(hf_generate(b, prompt, 1, [])[1] for _ in range(3))
+        more = min(hf_generate(b, prompt, 1 + n_tokens, [])[1] for _ in range(3))
+    token_s = max(more - first, 1e-6) / n_tokens
+    return Rate(prefill_s=first, token_s=token_s)
 
 
-def predict_after_train(cfg: Config, token_s: float) -> dict:
+def predict_after_train(cfg: Config, rate: Rate) -> dict:
     decodes = decodes_after_train(cfg)
-    tokens = {s: n * cfg.eval.max_new_tokens for s, n in decodes.items()}
-    slow = max(1.0, token_s / REFERENCE_TOKEN_S)
-    seconds = {s: t * token_s * DECODE_OVERHEAD + STAGE_FIXED_S * slow for s, t in tokens.items()}
-    return {"token_s": round(token_s, 5), "decodes": decodes, "seconds": {s: round(v, 1) for s, v in seconds.items()},
-            "total_s": round(sum(seconds.values()), 1)}
+    slow = max(1.0, rate.token_s / REFERENCE_TOKEN_S)
+    one = rate.decode_s(cfg.eval.max_new_tokens)
+    seconds = {s: n * one * DECODE_OVERHEAD + STAGE_FIXED_S * slow for s, n in decodes.items()}
+    return {"token_s": round(rate.token_s, 5), "prefill_s": round(rate.prefill_s, 4), "decodes": decodes,
+            "seconds": {s: round(v, 1) for s, v in seconds.items()}, "total_s": round(sum(seconds.values()), 1)}
 
 
 DEADLINE_WINDOW_H = 24  # a deadline further than this from now (either way) is not one this job can mean
@@ -101,16 +121,17 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
     check_deadline(cfg.budget.deadline, now)
     t0 = time.time()
     dtype = resolve_dtype(cfg.eval.dtype)
-    after = predict_after_train(cfg, token_seconds(backbone, prompt, dtype))
+    after = predict_after_train(cfg, decode_rate(backbone, prompt, dtype))
     now = time.time() if now is None else now
     left = cfg.budget.deadline - now
     seconds = left - after["total_s"] - 60 * cfg.budget.margin_min
     record = {"deadline": cfg.budget.deadline, "left_s": round(left, 1), "after_train": after,
               "margin_s": 60 * cfg.budget.margin_min, "training_s": round(max(0.0, seconds), 1),
               "cpu": cpu_model(), "probe_s": round(now - t0, 1), "dtype": str(dtype).replace("torch.", "")}
-    log.info("deadline in %.1f min; after training %s predicted to take %.1f min (HF generate %.1f tok/s in %s "
-             "on %s): %.1f min for training", left / 60, "+".join(after["decodes"]) or "nothing",
-             after["total_s"] / 60, 1 / after["token_s"], record["dtype"], record["cpu"], max(0.0, seconds) / 60)
+    log.info("deadline in %.1f min; after training %s predicted to take %.1f min (HF generate %.1f tok/s after a "
+             "%.2f s prefill of %d tokens in %s on %s): %.1f min for training", left / 60,
+             "+".join(after["decodes"]) or "nothing", after["total_s"] / 60, 1 / after["token_s"], after["prefill_s"],
+             len(prompt), record["dtype"], record["cpu"], max(0.0, seconds) / 60)
     return max(0.0, seconds), record
 
 
@@ -118,15 +139,15 @@ MIN_EVAL_TOKENS = 16  # sizing never shortens the decodes below this many new to
 LOSSLESS_CORE = ("verify", "tree")  # the modes sizing keeps to the last
 
 
-def eval_seconds(cfg: Config, token_s: float) -> float:
+def eval_seconds(cfg: Config, rate: Rate) -> float:
     """mtp-eval's predicted seconds under cfg.eval (the same pricing as the training reserve)."""
     import dataclasses
 
     only = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, after_train=["eval"]))
-    return predict_after_train(only, token_s)["total_s"]
+    return predict_after_train(only, rate)["total_s"]
 
 
-def size_eval(cfg: Config, token_s: float, left_s: float) -> tuple[Config, list[str]]:
+def size_eval(cfg: Config, rate: Rate, left_s: float) -> tuple[Config, list[str]]:
     """cfg with eval.* cut until mtp-eval's predicted time fits `left_s`, and what was cut, in this
     order: the sampled runs (eval.sampling.temperatures), the modes other than verify and tree, then
     eval.max_new_tokens down to MIN_EVAL_TOKENS. The prompts are never cut (20 is what makes its
@@ -136,7 +157,7 @@ def size_eval(cfg: Config, token_s: float, left_s: float) -> tuple[Config, list[
     e, cuts = cfg.eval, []
 
     def fits(c: Config) -> bool:
-        return eval_seconds(c, token_s) <= left_s
+        return eval_seconds(c, rate) <= left_s
 
     def with_eval(**kw) -> Config:
         return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **kw))
@@ -157,5 +178,5 @@ def size_eval(cfg: Config, token_s: float, left_s: float) -> tuple[Config, list[
             cuts.append(f"max_new_tokens {cfg.eval.max_new_tokens} -> {n}")
             cfg = with_eval(max_new_tokens=n)
     if not fits(cfg):
-        cuts.append(f"still {(eval_seconds(cfg, token_s) - left_s) / 60:.1f} min over the deadline")
+        cuts.append(f"still {(eval_seconds(cfg, rate) - left_s) / 60:.1f} min over the deadline")
     return cfg, cuts

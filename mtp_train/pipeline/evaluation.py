@@ -255,15 +255,15 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, 
     (mtp_train/pipeline/budget.py: sampled runs, then extra modes, then shorter decodes)."""
     import time
 
-    from mtp_train.pipeline.budget import check_deadline, eval_seconds, size_eval, token_seconds
+    from mtp_train.pipeline.budget import check_deadline, decode_rate, eval_seconds, size_eval
 
     check_deadline(cfg.budget.deadline)
-    token_s = token_seconds(backbone, prompt, backbone.model.dtype)
+    rate = decode_rate(backbone, prompt, backbone.model.dtype)
     left = cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min
-    full = eval_seconds(cfg, token_s)
-    cfg, cuts = size_eval(cfg, token_s, left)
-    record = {"left_s": round(left, 1), "token_s": round(token_s, 5), "predicted_full_s": round(full, 1),
-              "predicted_s": round(eval_seconds(cfg, token_s), 1), "cut": cuts}
+    full = eval_seconds(cfg, rate)
+    cfg, cuts = size_eval(cfg, rate, left)
+    record = {"left_s": round(left, 1), "token_s": round(rate.token_s, 5), "prefill_s": round(rate.prefill_s, 4),
+              "predicted_full_s": round(full, 1), "predicted_s": round(eval_seconds(cfg, rate), 1), "cut": cuts}
     if cuts:
         log.warning("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; cut: %s",
                     left / 60, full / 60, "; ".join(cuts))
