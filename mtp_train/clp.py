@@ -186,6 +186,18 @@ def save_predictor(out_dir: Path, predictor: SpanPredictor, meta: dict) -> Path:
     return out_dir / PREDICTOR_FILE
 
 
+def predictor_mismatch(meta: dict, kind: str | None, hidden_size: int | None, k: int | None) -> str | None:
+    """Why a predictor.json cannot serve as a `kind` predictor (None: any kind) for heads of this k and
+    hidden size (None: not checked), or None: what load_predictor refuses and mtp-report shows."""
+    if meta.get("kind") not in PREDICTOR_KINDS or (kind is not None and meta["kind"] != kind):
+        return (f"says kind {meta.get('kind')!r} where a {kind or '/'.join(PREDICTOR_KINDS)} predictor belongs "
+                "(edited or moved); rerun `mtp-clp stage=fit`")
+    for key, have in (("hidden_size", hidden_size), ("k", k)):
+        if have is not None and meta.get(key) != have:
+            return f"fitted for {key}={meta.get(key)}, these heads and backbone have {key}={have}: rerun mtp-clp for them"
+    return None
+
+
 def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | None = None,
                    kind: str | None = None) -> tuple[SpanPredictor, dict]:
     """A saved predictor, refused when it was fitted for another hidden size, k or backbone, or (with
@@ -193,13 +205,8 @@ def load_predictor(path: Path, hidden_size: int, k: int, backbone_name: str | No
     from mtp_train.artifacts import load_weights, read_weights_meta
 
     meta, meta_file, weights = read_weights_meta(Path(path), PREDICTOR_META, PREDICTOR_FILE, "written by mtp-clp")
-    if meta.get("kind") not in PREDICTOR_KINDS or (kind is not None and meta["kind"] != kind):
-        raise MtpError(f"{meta_file}: says kind {meta.get('kind')!r} where a {kind or '/'.join(PREDICTOR_KINDS)} "
-                       "predictor belongs (edited or moved); rerun `mtp-clp stage=fit`")
-    for key, have in (("hidden_size", hidden_size), ("k", k)):
-        if meta.get(key) != have:
-            raise ConfigError(f"{meta_file}: fitted for {key}={meta.get(key)}, these heads and backbone "
-                              f"have {key}={have}")
+    if problem := predictor_mismatch(meta, kind, hidden_size, k):
+        raise (MtpError if problem.startswith("says kind") else ConfigError)(f"{meta_file}: {problem}")
     if backbone_name is not None and meta.get("backbone") not in (None, backbone_name):
         raise ConfigError(f"{meta_file}: fitted for backbone {meta.get('backbone')!r}, not {backbone_name!r}")
     predictor = build_predictor(meta["kind"], hidden_size, k, meta.get("use_head_probs", False))

@@ -176,18 +176,14 @@ def predictor_problem(meta: dict, pred_dir: Path, heads: dict | None, heads_sha2
     directory's, fitted on these heads' acceptance and for their k and hidden size, its weights present
     and the ones mtp-clp fitted, and a calibrated one holds a valid threshold. A predictor with a
     problem is reported as not calibrated for these heads."""
-    from mtp_train.clp import check_predictor_weights, saved_threshold
+    from mtp_train.clp import check_predictor_weights, predictor_mismatch, saved_threshold
 
-    if meta.get("kind") != pred_dir.name:
-        return (f"predictor.json says kind {meta.get('kind')!r} but lies in {pred_dir.name}/: edited or moved; "
-                "rerun `mtp-clp stage=fit`")
     theirs = meta.get("heads_sha256")
+    bb = (heads or {}).get("backbone") or {}
+    if problem := predictor_mismatch(meta, pred_dir.name, bb.get("hidden_size"), (heads or {}).get("k")):
+        return f"{layout.PREDICTOR_META} in {pred_dir.name}/ {problem}"
     if theirs and heads_sha256 and theirs != heads_sha256:
         return "fitted on other heads' acceptance: rerun mtp-clp for these heads"
-    bb = (heads or {}).get("backbone") or {}
-    for key, have in (("k", (heads or {}).get("k")), ("hidden_size", bb.get("hidden_size"))):
-        if have is not None and meta.get(key) != have:
-            return f"fitted for {key}={meta.get(key)!r}, these heads have {key}={have}: rerun mtp-clp for these heads"
     weights = pred_dir / layout.PREDICTOR_FILE
     if not weights.is_file():
         return f"{layout.PREDICTOR_FILE} is missing: rerun `mtp-clp stage=fit`"

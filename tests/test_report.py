@@ -298,7 +298,7 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     save_file({"w": torch.ones(3)}, str(pred / "predictor.safetensors"))  # the fitted weights back
     assert "| clp | 3 | 0.50 | yes |" in page_with()
     # a swapped kind, and a calibrated predictor without a threshold, were "calibrated: yes"
-    assert "no: predictor.json says kind 'gate' but lies in clp/" in page_with(kind="gate")
+    assert "no: predictor.json in clp/ says kind 'gate' where a clp predictor belongs" in page_with(kind="gate")
     page = page_with(threshold=None, seal=calibration_seal({**meta, "threshold": None}))
     assert "| clp | 3 | - | no: marked calibrated but holds no threshold" in page
     assert "not calibrated (accepts nothing) | **no** |" in page
@@ -324,7 +324,7 @@ def test_a_predictor_for_another_k_or_hidden_size_is_not_calibrated_for_these_he
     meta = {"kind": "clp", "k": 3, "hidden_size": 8, "weights_sha256": file_sha256(pred / "predictor.safetensors")}
     heads = {"k": 3, "backbone": {"hidden_size": 8}}
     assert predictor_problem(meta, pred, heads, None) is None
-    assert predictor_problem({**meta, "k": 5}, pred, heads, None).startswith("fitted for k=5, these heads have k=3")
+    assert "fitted for k=5, these heads and backbone have k=3" in predictor_problem({**meta, "k": 5}, pred, heads, None)
     assert "hidden_size=16" in predictor_problem({**meta, "hidden_size": 16}, pred, heads, None)
     assert predictor_problem({**meta, "k": 5}, pred, None, None) is None  # no heads.json: nothing to hold it to
 
