@@ -39,7 +39,10 @@ def reusable_states(data_dirs: list[Path], backbone_identity: dict | None, compu
     """(split, i) over the rows of `data_dirs` concatenated (as `load_splits` does) -> the row's
     states when a stage before stored them (`<dir>/states`, written by self-distillation) with this
     backbone, compute dtype and storage dtype, else None. None when no directory has such states."""
+    from mtp_train.data.prepared import reached_train_rows
+
     parts, any_states = [], False
+    reached = reached_train_rows(data_dirs)
     for d in data_dirs:
         rows = (read_manifest(d) or {}).get("splits") or {}
         sm = read_manifest(Path(d) / STATES)
@@ -48,6 +51,8 @@ def reusable_states(data_dirs: list[Path], backbone_identity: dict | None, compu
         if sm is not None and not ok:
             log.info("cache: the states in %s were made otherwise (%s); recomputing those rows",
                      Path(d) / STATES, {k: sm.get(k) for k in ("compute", "dtype")})
+        if (n := reached.get(Path(d))) is not None:  # the rows load_splits reads of it
+            rows = {**rows, "train": min(rows.get("train", 0), n)}
         parts.append((rows, HiddenCache(Path(d) / STATES) if ok else None))
         any_states |= ok
     if not any_states:

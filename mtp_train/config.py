@@ -365,7 +365,8 @@ class TrainConfig:
 class BudgetConfig:
     """A wall-clock deadline for a pipeline run stage by stage (make demo sets it): the stages that
     can be sized size themselves to end by it. Distillation takes at most `distill_share` of the time
-    left when it starts (data.distill.min_train_prompts at least). Training takes the time left before
+    left when it starts (data.distill.min_train_prompts at least), and a stopped one limits the
+    original answers read to the conversations it reached. Training takes the time left before
     the deadline minus what the stages after it are predicted to take (`after_train`, from the
     backbone's decoding speed measured on this machine; mtp_train/pipeline/budget.py) and minus
     `margin_min`."""

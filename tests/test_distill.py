@@ -141,6 +141,21 @@ def test_a_deadline_stops_the_train_shards_and_a_run_without_one_finishes_them(t
     states = json.loads((tmp_path / "cut" / "states" / "manifest.json").read_text())
     assert states["rows"] == {"train": 8, "validation": 6}
     assert (tmp_path / "cut.shards").is_dir()  # kept for a run that finishes it
+    # what training and the cache read: the original answers of the conversations distillation reached only
+    from mtp_train.data.prepared import load_splits
+
+    read = load_splits([src, tmp_path / "cut"])
+    originals = _rows(src)["train"]
+    assert len(read["train"]) == 8 + 8 and read["train"]["input_ids"][:8] == [r["input_ids"] for r in originals[:8]]
+    assert len(read["validation"]) == 8 + 6
+    assert len(load_splits([src, tmp_path / "straight"])["train"]) == 32 + 20
+    # and the cache finds the kept states at the rows' places in that reading
+    from data_prep.cache import reusable_states
+    from mtp_train.data.cache import HiddenCache
+
+    known = reusable_states([src, tmp_path / "cut"], tiny_backbone.identity, "float32")
+    assert known("train", 7) is None  # an original answer: no states kept
+    np.testing.assert_array_equal(known("train", 8 + 3)[0], HiddenCache(tmp_path / "cut" / "states").states("train", 3)[0])
     # the stop's time is honoured, not just the floor: a stop an hour away distils every prompt
     far = distill_mod.distill(src, tmp_path / "far", tiny_backbone, dcfg, 128, stop_at=time.time() + 3600)
     assert "stopped_at_budget" not in far and far["splits"] == {"train": 20, "validation": 6}
@@ -156,6 +171,7 @@ def test_a_deadline_stops_the_train_shards_and_a_run_without_one_finishes_them(t
     full = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128)
     assert "stopped_at_budget" not in full and full["splits"] == {"train": 20, "validation": 6}
     assert _rows(tmp_path / "cut") == straight
+    assert len(load_splits([src, tmp_path / "cut"])["train"]) == 32 + 20  # every original again
     a, b = _states(tmp_path / "cut"), _states(tmp_path / "straight")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "cut.shards").exists()

@@ -86,14 +86,32 @@ def load_splits(dirs: list[Path], sizes: list[dict] | None = None, vocab_size: i
     from datasets import concatenate_datasets
 
     parts = {"train": [], "validation": []}
+    reached = reached_train_rows(dirs)
     for d in dirs:
         ds = load_prepared(d, "run `mtp-prep` with the same backbone= and data= first")
+        if (n := reached.get(Path(d))) is not None and n < len(ds["train"]):
+            ds["train"] = ds["train"].select(range(n))
         for s in parts:
             parts[s].append(ds[s].select_columns(COLUMNS))
             check_rows(parts[s][-1], f"{d}/{s}", vocab_size)
         if sizes is not None:
             sizes.append({s: len(ds[s]) for s in parts})
     return {s: concatenate_datasets(p) for s, p in parts.items()}
+
+
+def reached_train_rows(dirs: list[Path]) -> dict[Path, int]:
+    """{labelled dir: train rows to read} for each labelled dataset in `dirs` whose distillation in
+    `dirs` a deadline stopped (its manifest's `stopped_at_budget`): its original answers are read for
+    the conversations distillation reached only, so the cache and training scale with the time the
+    machine had, not with data.max_conversations (docs/training.md, "A pipeline's deadline")."""
+    manifests = {Path(d): read_manifest(Path(d)) or {} for d in dirs}
+    out = {}
+    for m in manifests.values():
+        if stop := m.get("stopped_at_budget"):
+            for d, other in manifests.items():
+                if other.get("stage") != "distill" and other.get("config_hash") == m.get("source_hash"):
+                    out[d] = int(stop["train_prompts"])
+    return out
 
 
 def cache_compute(cfg: Config, backbone) -> str:
