@@ -88,11 +88,13 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     plan = distill_plan(src_manifest, backbone.name, tok, cfg, max_length, backbone.device,
                         backbone.identity)
     wanted = config_hash(plan)
-    if not force and is_up_to_date(out_dir, wanted):
-        cut = read_manifest(out_dir).get("stopped_at_budget")
-        if cut and stop_at is None:
-            log.info("distill: %s holds %d of %d train prompts (a deadline stopped it); distilling the rest",
-                     out_dir, cut["train_prompts"], cut["planned"])
+    old = read_manifest(out_dir) or {}
+    cut = old.get("stopped_at_budget")
+    if not force and (is_up_to_date(out_dir, wanted) or (cut and old.get("plan_hash") == wanted)):
+        if cut and (stop_at is None or cut["train_prompts"] < cfg.min_train_prompts):
+            log.info("distill: %s holds %d of %d train prompts (a deadline stopped it); distilling the rest%s",
+                     out_dir, cut["train_prompts"], cut["planned"], "" if stop_at is None else
+                     f" up to data.distill.min_train_prompts={cfg.min_train_prompts}")
         else:
             try:
                 load_prepared(out_dir)  # up to date by its manifest, and its files still read whole
@@ -172,7 +174,10 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
                             f"data.distill.max_{'train' if s == 'train' else 'val'}_prompts)")
     finished = {s: int(sum(result[s]["finished"])) for s in SPLITS}
     manifest = {
-        "stage": "distill", "config_hash": wanted, **plan,
+        # a stopped run's rows are fewer than the plan's: its hash differs, so that the cache and the
+        # runs keyed by it see the change when a later run finishes it (plan_hash is what it reuses by)
+        "stage": "distill", "config_hash": config_hash({"plan": wanted, "stopped_at_budget": stopped}) if stopped
+        else wanted, "plan_hash": wanted, **plan,
         "splits": {s: len(result[s]) for s in SPLITS},
         "finished_with_eos": finished,
         "skipped": dict(skipped),

@@ -136,6 +136,8 @@ def test_a_deadline_stops_the_train_shards_and_a_run_without_one_finishes_them(t
     m = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128, stop_at=time.time() - 1)
     assert m["stopped_at_budget"] == {"train_prompts": 8, "planned": 20}
     assert m["splits"] == {"train": 8, "validation": 6}
+    straight_hash = json.loads((tmp_path / "straight" / "manifest.json").read_text())["config_hash"]
+    assert m["config_hash"] != straight_hash and m["plan_hash"] == straight_hash  # the cache key sees fewer rows
     cut = _rows(tmp_path / "cut")
     assert cut["validation"] == straight["validation"] and cut["train"] == straight["train"][:8]
     states = json.loads((tmp_path / "cut" / "states" / "manifest.json").read_text())
@@ -156,6 +158,17 @@ def test_a_deadline_stops_the_train_shards_and_a_run_without_one_finishes_them(t
     known = reusable_states([src, tmp_path / "cut"], tiny_backbone.identity, "float32")
     assert known("train", 7) is None  # an original answer: no states kept
     np.testing.assert_array_equal(known("train", 8 + 3)[0], HiddenCache(tmp_path / "cut" / "states").states("train", 3)[0])
+    # mtp-clp's labels index the distilled rows after the originals read: 8 of them, not the 32 prepared
+    import mtp_train.data.prepared as prepared_mod
+    import mtp_train.layout as layout_mod
+    from mtp_train.pipeline.clp_run import distilled_cache
+
+    monkeypatch.setattr(layout_mod, "data_dirs", lambda cfg: [src, tmp_path / "cut"])
+    monkeypatch.setattr(layout_mod, "distilled_dir", lambda cfg: tmp_path / "cut")
+    monkeypatch.setattr(prepared_mod, "open_cache", lambda *a, **k: "a cache")
+    rows, _, first = distilled_cache(None, None, "train")
+    assert first == 8 and rows[first]["input_ids"] == cut["train"][0]["input_ids"]
+    monkeypatch.undo()
     # the stop's time is honoured, not just the floor: a stop an hour away distils every prompt
     far = distill_mod.distill(src, tmp_path / "far", tiny_backbone, dcfg, 128, stop_at=time.time() + 3600)
     assert "stopped_at_budget" not in far and far["splits"] == {"train": 20, "validation": 6}
@@ -165,11 +178,17 @@ def test_a_deadline_stops_the_train_shards_and_a_run_without_one_finishes_them(t
 
     monkeypatch.setattr(distill_mod, "_generate_shard", boom)  # another deadline: the rows are reused
     again = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128, stop_at=time.time() - 1)
-    assert again["stopped_at_budget"] == m["stopped_at_budget"]
+    assert again["stopped_at_budget"] == m["stopped_at_budget"] and again["config_hash"] == m["config_hash"]
     monkeypatch.undo()
+    # a higher floor is not met by the rows held: distilled on to it, and stopped again there
+    higher = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dataclasses.replace(dcfg, min_train_prompts=12), 128,
+                                 stop_at=time.time() - 1)
+    assert higher["stopped_at_budget"] == {"train_prompts": 16, "planned": 20}
+    assert _rows(tmp_path / "cut")["train"] == straight["train"][:16]
     # no deadline: the rest is distilled, to exactly the uninterrupted run's rows and states
     full = distill_mod.distill(src, tmp_path / "cut", tiny_backbone, dcfg, 128)
     assert "stopped_at_budget" not in full and full["splits"] == {"train": 20, "validation": 6}
+    assert full["config_hash"] == straight_hash
     assert _rows(tmp_path / "cut") == straight
     assert len(load_splits([src, tmp_path / "cut"])["train"]) == 32 + 20  # every original again
     a, b = _states(tmp_path / "cut"), _states(tmp_path / "straight")

@@ -35,7 +35,7 @@ def distilled_cache(cfg: Config, backbone, split: str = "train", aux_layers: lis
     """(rows of `split`, hidden-state cache, index of the first self-distilled row in them) when the
     training cache holds the backbone's own answers, else None. `aux_layers`: those the heads read
     (EAGLE-3), whose cache is another one."""
-    from mtp_train.data.prepared import load_prepared, load_splits, open_cache
+    from mtp_train.data.prepared import load_splits, open_cache
     from mtp_train.layout import data_dirs, distilled_dir
 
     dirs = data_dirs(cfg)
@@ -44,8 +44,10 @@ def distilled_cache(cfg: Config, backbone, split: str = "train", aux_layers: lis
     cache = open_cache(cfg, backbone, aux_layers)
     if cache is None:
         return None
-    first = sum(len(load_prepared(d)[split]) for d in dirs[: dirs.index(distilled_dir(cfg))])
-    return load_splits(dirs)[split], cache, first
+    sizes: list[dict] = []  # the rows load_splits reads of each (a stopped distillation trims the originals)
+    rows = load_splits(dirs, sizes)[split]
+    first = sum(n[split] for n in sizes[: dirs.index(distilled_dir(cfg))])
+    return rows, cache, first
 
 
 def stage_label(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
