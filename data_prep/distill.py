@@ -75,9 +75,8 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
     `stop_at` (a unix time; budget.distill_share under a deadline): the validation shards run first,
     then the train shards until the next one would end past `stop_at` (priced at this run's seconds
     per row so far), but never before data.distill.min_train_prompts (at least one) train prompts
-    are done. What
-    is done is published, its manifest says how far it got (`stopped_at_budget`) and the finished
-    shards are kept: a later run with a deadline reuses the rows, one without distils the rest."""
+    are done. What is done is published, its manifest says how far it got (`stopped_at_budget`) and
+    the finished shards are kept: a later run with a deadline reuses the rows, one without distils the rest."""
     from datasets import DatasetDict, concatenate_datasets, load_from_disk
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
@@ -100,7 +99,7 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
                 load_prepared(out_dir)  # up to date by its manifest, and its files still read whole
                 log.info("distill: %s is up to date%s, skipping (force=true regenerates)", out_dir,
                          f" ({cut['train_prompts']} of {cut['planned']} train prompts)" if cut else "")
-                return read_manifest(out_dir)
+                return old
             except DataError as e:
                 log.warning("distill: %s; distilling again", e)
 
@@ -138,7 +137,8 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
                 continue
             split, idx, start, end = w
             if stop_at is not None and split == "train" and train_done >= max(1, cfg.min_train_prompts) and rows_run:
-                ends = time.time() + (time.time() - t0) / rows_run * (end - start)
+                now = time.time()
+                ends = now + (now - t0) / rows_run * (end - start)
                 if ends > stop_at:
                     stopped = {"train_prompts": train_done, "planned": planned_train}
                     log.info("distill: stopping at the budget after %d of %d train prompts (the next shard "
@@ -193,7 +193,7 @@ def distill(source_dir: Path, out_dir: Path, backbone, cfg: DistillConfig, max_l
         _gather_states(shards_dir, work, tmp / STATES, plan, {s: len(result[s]) for s in SPLITS}, keep=bool(stopped))
     write_json_atomic(tmp / MANIFEST, manifest)
     publish_dir(tmp, out_dir)
-    if not stopped:  # a stopped run keeps its shards (their states moved out above) for one that finishes it
+    if not stopped:  # a stopped run keeps its shards (their states were copied, not moved) for one that finishes it
         shutil.rmtree(shards_dir, ignore_errors=True)
     return manifest
 
