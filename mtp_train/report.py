@@ -524,6 +524,9 @@ def _budget_section(heads: dict | None, report: dict | None, times: dict) -> lis
     if sized:
         md.append(f"- evaluation: {_minutes(sized['left_s'])} left, predicted {_minutes(sized['predicted_full_s'])} "
                   f"as asked; " + ("cut: " + "; ".join(sized["cut"]) if sized["cut"] else "nothing cut"))
+        if (fit := sized.get("sampled_fit")) and not fit["cut"]:
+            md.append(f"- sampled runs kept: {_minutes(fit['per_temperature_s'])} each, predicted from the greedy "
+                      f"decodes' time, with {_minutes(fit['left_s'])} left")
     return [*md, ""]
 
 

@@ -286,6 +286,41 @@ def test_an_evaluation_is_cut_to_its_deadline_sampling_first_then_modes_then_tok
     assert c4.eval.max_new_tokens == MIN_EVAL_TOKENS and "over the deadline" in cuts[-1]
 
 
+def test_a_deferred_sampled_run_is_left_to_the_greedy_decodes_where_they_fit(typed_cfg):
+    """defer_sampled (mtp-eval under a deadline): a sampled run the probe prices over the time left
+    stays while the greedy part fits, and is cut first as before when even that does not fit."""
+    from mtp_train.pipeline.budget import Rate, eval_seconds, size_eval
+
+    cfg = typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
+                    "eval.sampling.temperatures=[0,1.0]")
+    tok = Rate(prefill_s=0.3, token_s=0.1)
+    greedy = eval_seconds(typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48",
+                                    "eval.modes=[verify,tree,clp]"), tok)
+    assert greedy < eval_seconds(cfg, tok)
+    kept, cuts = size_eval(cfg, tok, greedy + 1, defer_sampled=True)
+    assert kept == cfg and cuts == []
+    cut, cuts = size_eval(cfg, tok, greedy - 1, defer_sampled=True)
+    assert cut.eval.sampling.temperatures == [0] and "T=[1.0]" in cuts[0]
+
+
+def test_sampled_runs_are_kept_in_order_while_the_greedy_decodes_say_they_fit():
+    from mtp_train.evaluation.runner import SAMPLED_OVERHEAD, sampled_that_fit
+
+    mean_s = {"hf_generate": 2.0, "verify": 1.5, "tree": 1.2, "clp": 2.5}
+    names = ["hf_generate", "verify", "tree"]  # clp does not sample
+    # a sampled decode costs at least HF's: (2 + 2 + 2) s x 20 decodes x the overhead, per temperature
+    one = 6.0 * 20 * SAMPLED_OVERHEAD
+    keep, rec = sampled_that_fit(mean_s, names, 20, [0.7, 1.0], 2 * one + 30, tail_s=30)
+    assert keep == [0.7, 1.0] and rec["cut"] == [] and rec["per_temperature_s"] == pytest.approx(one, abs=0.1)
+    keep, rec = sampled_that_fit(mean_s, names, 20, [0.7, 1.0], 2 * one + 29, tail_s=30)
+    assert keep == [0.7] and rec["cut"] == [1.0]
+    keep, rec = sampled_that_fit(mean_s, names, 20, [0.7, 1.0], one, tail_s=30)
+    assert keep == [] and rec["cut"] == [0.7, 1.0]
+    # a mode slower than HF is priced at its own time; one not measured greedy at the slowest measured
+    assert sampled_that_fit(mean_s, ["hf_generate", "clp", "relaxed"], 1, [1.0], 1e9, 0)[1][
+        "per_temperature_s"] == pytest.approx((2.0 + 2.5 + 2.5) * SAMPLED_OVERHEAD, abs=0.1)
+
+
 @pytest.mark.parametrize("hours", [-25, 25, -1e6])
 def test_a_deadline_no_run_could_mean_is_refused_naming_the_key(hours):
     from mtp_train.pipeline.budget import check_deadline

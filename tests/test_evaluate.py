@@ -961,6 +961,27 @@ def test_an_evaluation_past_its_deadline_is_cut_and_says_so(trained_heads):
     assert "sized_to_deadline" not in again and again["max_new_tokens"] == 40
 
 
+@pytest.mark.integration
+def test_a_sampled_run_is_decided_by_the_greedy_decodes_measured_time(trained_heads, monkeypatch):
+    """Under a deadline the probe says is far enough, the sampled run is still priced from the greedy
+    decodes just made: priced out (a huge overhead), it is cut and the report says why; priced in, it runs."""
+    import time
+
+    import mtp_train.evaluation.runner as runner
+
+    root = trained_heads
+    common = ["eval.modes=[verify]", "eval.sampling.temperatures=[1.0]", "eval.rounds=1", "eval.max_new_tokens=12",
+              f"budget.deadline={time.time() + 3600}"]
+    monkeypatch.setattr(runner, "SAMPLED_OVERHEAD", 1e6)
+    report = run_eval(_eval_cfg(root, *common, f"paths.output_dir={root}/eval-fit"))
+    sized = report["sized_to_deadline"]
+    assert "sampled" not in report and sized["sampled_fit"]["cut"] == [1.0]
+    assert "from the greedy decodes" in sized["cut"][-1] and "T=[1.0]" in sized["cut"][-1]
+    monkeypatch.setattr(runner, "SAMPLED_OVERHEAD", 1.1)
+    kept = run_eval(_eval_cfg(root, *common, "force=true", f"paths.output_dir={root}/eval-fit"))
+    assert set(kept["sampled"]) == {"t1.0"} and kept["sized_to_deadline"]["sampled_fit"]["cut"] == []
+
+
 @pytest.mark.bad_input
 @pytest.mark.integration
 def test_rank_statistics_of_other_heads_are_refused(trained_heads, tmp_path):

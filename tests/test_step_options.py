@@ -41,6 +41,78 @@ def test_precision_auto_takes_bf16_only_where_it_is_native_and_clearly_faster(mo
         assert "no native bf16" in record["why"]
 
 
+@pytest.mark.parametrize("fp32,bf16,bf16c,expected", [
+    (1.31, 1.32, 1.09, ("bf16-mixed", True)),   # the AMX Xeon: bf16 pays only compiled (1.20x)
+    (1.27, 1.11, 0.94, ("bf16-mixed", True)),   # the AVX-512 EPYC: both pay
+    (1.27, 1.11, 1.09, ("bf16-mixed", False)),  # compiled within COMPILE_MIN_GAIN of eager bf16: eager bf16
+    (1.00, 0.98, 0.93, ("32-true", None)),      # neither beats float32 by AUTO_MIN_GAIN: float32 compiled next
+])
+def test_joint_choice_times_bf16_compiled_beside_float32(monkeypatch, fp32, bf16, bf16c, expected):
+    import mtp_train.lit.step_options as so
+
+    seen = []
+
+    def timed(*a, **k):
+        seen.append(a[5])
+        return fake_timings(fp32, bf16, bf16_compile=bf16c)(*a, **k)
+
+    monkeypatch.setattr(so, "time_options", timed)
+    precision, compiled, p_rec, c_rec = so.choose_jointly(None, None, None, None, [{}] * 4)
+    assert (precision, compiled) == expected
+    assert seen == [["fp32", "bf16", "bf16+compile"]]  # one pass, one compile
+    assert p_rec["step_s"] == c_rec["step_s"] == {"fp32": fp32, "bf16": bf16, "bf16+compile": bf16c}
+    assert p_rec["bf16_compiled_gain"] == pytest.approx(fp32 / bf16c, abs=1e-3)
+    assert c_rec["compile_gain"] == pytest.approx(bf16 / bf16c, abs=1e-3) and c_rec["compile_s"] == 1.0
+
+
+def test_joint_choice_falls_back_to_the_eager_pair_when_the_compile_fails(monkeypatch):
+    import mtp_train.backbone as bb
+    import mtp_train.lit.step_options as so
+
+    def timed(backbone, heads, loss_cfg, train_cfg, batches, options, rounds=2):
+        if any("compile" in o for o in options):
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error\n(long log)")
+        return fake_timings(2.0, 1.0)(backbone, heads, loss_cfg, train_cfg, batches, options, rounds)
+
+    monkeypatch.setattr(bb, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(so, "time_options", timed)
+    precision, compiled, p_rec, c_rec = so.choose_jointly(None, None, None, None, [{}] * 4)
+    assert (precision, compiled) == ("bf16-mixed", False) and p_rec["step_s"] == {"fp32": 2.0, "bf16": 1.0}
+    assert c_rec["why"] == "torch.compile failed: RuntimeError: InductorError: CppCompileError: C++ compile error"
+
+
+@pytest.mark.parametrize("native,joint", [(True, True), (False, False)])
+def test_precision_and_compile_auto_are_timed_together_where_bf16_is_native(typed_cfg, monkeypatch, native, joint):
+    """resolve_precision hands train.compile its decision when it timed bf16 compiled, and
+    resolve_compile then times nothing more; without native bf16 each is timed on its own."""
+    from types import SimpleNamespace
+
+    import mtp_train.backbone as bb
+    import mtp_train.lit.step_options as so
+    import mtp_train.pipeline.training as tr
+
+    calls = []
+    monkeypatch.setattr(bb, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(so, "choose_jointly", lambda *a, **k: calls.append("joint") or (
+        "bf16-mixed", True, {"j": 1}, {"c": 1}))
+    monkeypatch.setattr(so, "choose_precision", lambda *a, **k: calls.append("precision") or ("32-true", {"p": 1}))
+    monkeypatch.setattr(so, "choose_compile", lambda *a, **k: calls.append("compile") or (False, {"e": 1}))
+    dm = SimpleNamespace(setup=lambda: None, train_dataloader=lambda: iter([{}] * 8))
+    cfg = typed_cfg("trainer.precision=auto", "train.compile=auto", "trainer.max_steps=1000")
+    precision, p_rec, timed = tr.resolve_precision(cfg, None, None, dm)
+    compiled, c_rec = tr.resolve_compile(cfg, None, None, dm, precision, None, 1, timed)
+    if joint:
+        assert calls == ["joint"] and (precision, compiled, p_rec, c_rec) == ("bf16-mixed", True, {"j": 1}, {"c": 1})
+        # on more devices than one the joint decision to compile is not taken
+        assert tr.resolve_compile(cfg, None, None, dm, precision, None, 2, timed)[0] is False
+    else:
+        assert calls == ["precision", "compile"] and (precision, compiled) == ("32-true", False)
+    # a run too short to pay a compile back is timed for its precision only
+    calls.clear()
+    short = typed_cfg("trainer.precision=auto", "train.compile=auto", "trainer.max_steps=20")
+    assert tr.resolve_precision(short, None, None, dm)[2] is None and calls == ["precision"]
+
+
 @pytest.mark.integration
 def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg):
     """Every option is a real step: from the same start, one step of fp32 and of bf16 autocast moves

@@ -111,10 +111,31 @@ def round_order(names: list[str], prompt_index: int, round_index: int) -> list[s
     return names[shift:] + names[:shift]
 
 
+# a sampled decode's seconds over the greedy decode of the same mode (or HF generate's, whichever is
+# longer): fewer drafts are accepted under sampling, and the warpers and the acceptance test cost a little
+SAMPLED_OVERHEAD = 1.1
+
+
+def sampled_that_fit(mean_s: dict[str, float], names: list[str], decodes: int, temperatures: list[float],
+                     left_s: float, tail_s: float) -> tuple[list[float], dict]:
+    """The sampling temperatures to decode, in their order, while their predicted seconds and the
+    evaluation's tail (`tail_s`) fit in `left_s`: each temperature decodes `decodes` prompt-samples
+    with every one of `names`, priced from the greedy decodes just measured (`mean_s`, seconds a
+    decode per name: a sampled one costs SAMPLED_OVERHEAD x the longer of its mode's and HF's)."""
+    hf = mean_s["hf_generate"]
+    fallback = max(mean_s.values())
+    one = sum(max(mean_s.get(n, fallback), hf) for n in names) * decodes * SAMPLED_OVERHEAD
+    keep = [t for i, t in enumerate(temperatures) if (i + 1) * one + tail_s <= left_s]
+    return keep, {"left_s": round(left_s, 1), "per_temperature_s": round(one, 1), "tail_s": round(tail_s, 1),
+                  "cut": [t for t in temperatures if t not in keep]}
+
+
 def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None,
-              tree_stats=None) -> dict:
+              tree_stats=None, deadline: float | None = None) -> dict:
     """Decode every prompt with HF generate and each mode in cfg.modes, in cfg.rounds timing rounds;
-    returns the report dict and round 1's outputs per mode."""
+    returns the report dict and round 1's outputs per mode. With a `deadline` (Unix seconds), the
+    sampled runs are decoded only while the greedy decodes' measured time says they fit before it
+    (report["sampled_fit"] says what was cut)."""
     from tqdm.auto import tqdm
 
     from mtp_train.decoding import ROW_BUCKETS, Decoder
@@ -201,8 +222,21 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     report["rounds"] = rounds
     report["flags"] = plausibility_flags(report)
     report["divergence"] = divergence_lines(report)
-    if cfg.sampling.temperatures_sampled:
-        report["sampled"] = run_sampled(backbone, prompts, cfg, run_mode, eos, k)
+    temperatures = cfg.sampling.temperatures_sampled
+    if temperatures and deadline is not None:
+        mean_s = {n: sum(wall[n]) / (rounds * len(prompts)) for n in names}
+        # after the sampled runs: HF generate in both dtypes on 3 prompts x 32 tokens (float32 up to 2x
+        # slower), the plots and the report
+        tail_s = 2 * 3 * 2 * mean_s["hf_generate"] * min(1.0, 32 / cfg.max_new_tokens) + 10
+        temperatures, report["sampled_fit"] = sampled_that_fit(
+            mean_s, ["hf_generate", *cfg.sampled_modes()], len(prompts) * cfg.sampling.samples * rounds,
+            temperatures, deadline - time.time(), tail_s)
+        if report["sampled_fit"]["cut"]:
+            log.warning("budget.deadline: %.1f min left; a sampled run is predicted %.1f min from the greedy decodes' "
+                        "time: cut the sampled runs at T=%s", report["sampled_fit"]["left_s"] / 60,
+                        report["sampled_fit"]["per_temperature_s"] / 60, report["sampled_fit"]["cut"])
+    if temperatures:
+        report["sampled"] = run_sampled(backbone, prompts, cfg, run_mode, eos, k, temperatures)
         report["flags"] += [line for run in report["sampled"].values() for line in run["flags"]]
     for line in report["flags"] + report["divergence"]:
         log.warning("%s", line)
@@ -215,8 +249,9 @@ def sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
     return base * 1_000_003 + prompt_index * 1_009 + sample_index
 
 
-def run_sampled(backbone, prompts: list[list[int]], cfg, run_mode, eos: list[int], k: int) -> dict:
-    """eval.sampling: at each temperature > 0, HF generate(do_sample=True) and every sampled mode on
+def run_sampled(backbone, prompts: list[list[int]], cfg, run_mode, eos: list[int], k: int,
+                temperatures: list[float] | None = None) -> dict:
+    """eval.sampling: at each temperature > 0 (or each of `temperatures`), HF generate(do_sample=True) and every sampled mode on
     eval.sampling.samples seeded samples of every prompt, interleaved and rotated as the greedy
     rounds are. Returns {"t<T>": run}: a run holds its temperature, warpers and samples, "modes" (per
     mode: tau, acceptance, tokens_per_s, speedup_vs_hf, repetition_ratio, backbone_nll, the
@@ -235,7 +270,7 @@ def run_sampled(backbone, prompts: list[list[int]], cfg, run_mode, eos: list[int
     jobs = [(i, j) for i in range(len(prompts)) for j in range(s.samples)]
     rounds = getattr(cfg, "rounds", 1)
     out = {}
-    for temperature in s.temperatures_sampled:
+    for temperature in s.temperatures_sampled if temperatures is None else temperatures:
         w = Warpers(temperature=temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
         for name in modes:  # warm-up: the sampling code paths once
             run_mode(name, prompts[0], min(16, cfg.max_new_tokens), warpers=w)

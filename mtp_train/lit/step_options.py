@@ -7,7 +7,9 @@ option gets its own copy of the same initial heads and its own AdamW, runs one u
 batches, in a rotating order per round, so that a machine that speeds up or slows down favours
 none. bench/step_options.py prints the table; mtp-train with trainer.precision=auto runs the fp32
 and bf16 options on its first batches and trains in the faster; with train.compile=auto it then times
-that precision compiled against eager and keeps the faster (docs/training.md, "Faster steps").
+that precision compiled against eager and keeps the faster. Where both are auto and the CPU has native
+bf16, choose_jointly times fp32, bf16 and bf16 compiled in one pass instead: bf16 can pay only
+compiled (docs/training.md, "Faster steps").
 """
 
 from __future__ import annotations
@@ -112,3 +114,44 @@ def choose_compile(backbone, heads, loss_cfg, train_cfg, batches: list[dict], pr
              record["cpu"], sec[base], sec[f"{base}+compile"], gain, record["compile_s"],
              "compiled" if choice else "eager")
     return choice, record
+
+
+def choose_jointly(backbone, heads, loss_cfg, train_cfg, batches: list[dict],
+                   rounds: int = 2) -> tuple[str, bool | None, dict, dict]:
+    """trainer.precision=auto with train.compile=auto on a CPU with native bf16: float32, bf16 and
+    bf16 compiled timed in one pass (one compile), since eager bf16 can be no faster than float32
+    where compiled bf16 is the fastest of all (the AMX Xeon in docs/training.md). Returns the
+    precision, whether to compile (None: float32 won, and float32 compiled is still to be timed, as
+    choose_compile does), and the precision's and compile's records. bf16 must beat float32 by
+    AUTO_MIN_GAIN, and compiled beat eager bf16 by COMPILE_MIN_GAIN; a compile that fails leaves the
+    eager pair to decide."""
+    from mtp_train.evaluation.machine import cpu_model
+
+    cpu = cpu_model()
+    try:
+        t = time_options(backbone, heads, loss_cfg, train_cfg, batches, ["fp32", "bf16", "bf16+compile"], rounds)
+    except Exception as err:  # noqa: BLE001 - any compiler failure means: train eager
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        log.warning("train.compile=auto: torch.compile failed here (%s: %s); training eager", type(err).__name__, first)
+        precision, record = choose_precision(backbone, heads, loss_cfg, train_cfg, batches, rounds)
+        return precision, False, record, {"cpu": cpu, "why": f"torch.compile failed: {type(err).__name__}: {first}"}
+    steps = len(batches) - 1
+    sec = {n: statistics.median(v["round_s"]) / steps for n, v in t.items()}
+    step_s = {n: round(v, 4) for n, v in sec.items()}
+    bf16_gain, compile_gain = sec["fp32"] / sec["bf16"], sec["bf16"] / sec["bf16+compile"]
+    compiled_vs_fp32 = sec["fp32"] / sec["bf16+compile"]
+    if compiled_vs_fp32 >= AUTO_MIN_GAIN and compile_gain >= COMPILE_MIN_GAIN:
+        precision, compiled = "bf16-mixed", True
+    elif bf16_gain >= AUTO_MIN_GAIN:
+        precision, compiled = "bf16-mixed", False
+    else:
+        precision, compiled = "32-true", None
+    p_record = {"cpu": cpu, "native_bf16": True, "step_s": step_s, "bf16_gain": round(bf16_gain, 3),
+                "bf16_compiled_gain": round(compiled_vs_fp32, 3), "timed_with": "train.compile=auto"}
+    c_record = {"cpu": cpu, "precision": "bf16", "step_s": step_s, "compile_gain": round(compile_gain, 3),
+                "compile_s": round(t["bf16+compile"]["first_s"], 1)}
+    log.info("trainer.precision=auto, train.compile=auto on %s: float32 %.3f s a step, bf16 %.3f s (%.2fx), "
+             "bf16 compiled %.3f s (%.2fx; the compile took %.0f s) -> %s%s", cpu, sec["fp32"], sec["bf16"], bf16_gain,
+             sec["bf16+compile"], compiled_vs_fp32, c_record["compile_s"], precision,
+             {True: ", compiled", False: ", eager", None: " (float32 compiled timed next)"}[compiled])
+    return precision, compiled, p_record, c_record

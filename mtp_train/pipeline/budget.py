@@ -147,11 +147,14 @@ def eval_seconds(cfg: Config, rate: Rate) -> float:
     return predict_after_train(only, rate)["total_s"]
 
 
-def size_eval(cfg: Config, rate: Rate, left_s: float) -> tuple[Config, list[str]]:
+def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = False) -> tuple[Config, list[str]]:
     """cfg with eval.* cut until mtp-eval's predicted time fits `left_s`, and what was cut, in this
     order: the sampled runs (eval.sampling.temperatures), the modes other than verify and tree, then
     eval.max_new_tokens down to MIN_EVAL_TOKENS. The prompts are never cut (20 is what makes its
-    figures stable). If even that does not fit, it runs so and says by how much it will overrun."""
+    figures stable). If even that does not fit, it runs so and says by how much it will overrun.
+    defer_sampled: where the greedy part fits as asked, the sampled runs stay, for the evaluation to
+    decide from its greedy decodes' measured time (evaluation/runner.py, sampled_that_fit): the
+    prediction is a probe's, the greedy decodes are the evaluation itself."""
     import dataclasses
 
     e, cuts = cfg.eval, []
@@ -163,8 +166,11 @@ def size_eval(cfg: Config, rate: Rate, left_s: float) -> tuple[Config, list[str]
         return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **kw))
 
     if not fits(cfg) and e.sampling.temperatures_sampled:
-        cfg = with_eval(sampling=dataclasses.replace(e.sampling, temperatures=[t for t in e.sampling.temperatures
-                                                                               if t == 0], modes=None))
+        greedy = with_eval(sampling=dataclasses.replace(e.sampling, temperatures=[t for t in e.sampling.temperatures
+                                                                                  if t == 0], modes=None))
+        if defer_sampled and fits(greedy):
+            return cfg, cuts
+        cfg = greedy
         cuts.append(f"sampled runs at T={e.sampling.temperatures_sampled}")
     core = [m for m in cfg.eval.modes if m in LOSSLESS_CORE]
     if not fits(cfg) and core and core != list(cfg.eval.modes):

@@ -261,12 +261,17 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, 
     rate = decode_rate(backbone, prompt, backbone.model.dtype)
     left = cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min
     full = eval_seconds(cfg, rate)
-    cfg, cuts = size_eval(cfg, rate, left)
+    cfg, cuts = size_eval(cfg, rate, left, defer_sampled=True)
     record = {"left_s": round(left, 1), "token_s": round(rate.token_s, 5), "prefill_s": round(rate.prefill_s, 4),
               "predicted_full_s": round(full, 1), "predicted_s": round(eval_seconds(cfg, rate), 1), "cut": cuts}
+    if not cuts and full > left:
+        record["sampled_deferred"] = True
     if cuts:
         log.warning("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; cut: %s",
                     left / 60, full / 60, "; ".join(cuts))
+    elif full > left:
+        log.info("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; its greedy part "
+                 "fits, and its measured time decides the sampled runs", left / 60, full / 60)
     else:
         log.info("budget.deadline: %.1f min left, the evaluation is predicted to take %.1f", left / 60, full / 60)
     return cfg, record
@@ -313,8 +318,15 @@ def _run_eval(cfg: Config) -> dict:
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
+    deadline = None if sized is None else cfg.budget.deadline - 60 * cfg.budget.margin_min
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
-                                tree_stats=stats)
+                                tree_stats=stats, deadline=deadline)
+    if sized is not None and (fit := report.pop("sampled_fit", None)) is not None:
+        sized["sampled_fit"] = fit
+        if fit["cut"]:
+            sized["cut"] = [*sized["cut"], f"sampled runs at T={fit['cut']} (each predicted "
+                            f"{fit['per_temperature_s'] / 60:.1f} min from the greedy decodes, "
+                            f"{fit['left_s'] / 60:.1f} min left)"]
     # the training's predictions of the sampled chain's tau, per temperature (val/sim_tau_t0.7, ...)
     report["sim_tau_sampled"] = {m[1]: v for key, v in (meta.get("metrics") or {}).items()
                                  if (m := re.fullmatch(r"val/sim_tau_t(\d+\.\d+)", key))}

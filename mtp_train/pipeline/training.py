@@ -240,57 +240,82 @@ def time_budget(cfg: Config, backbone, dm, resuming: bool):
     return TimeBudget(seconds, t.min_steps, cap, cfg.trainer.get("val_check_interval"), relative=relative), record
 
 
-def resolve_precision(cfg: Config, backbone, heads, dm) -> tuple[str, dict]:
+def resolve_precision(cfg: Config, backbone, heads, dm, budget=None) -> tuple[str, dict, tuple[bool, dict] | None]:
     """trainer.precision=auto: bf16-mixed or 32-true, whichever trains faster here, timed on the first
     training batches (mtp_train/lit/step_options.py; on a GPU, bf16-mixed). Other values pass
-    through with an empty record."""
+    through with an empty record. With train.compile=auto too, a CPU with native bf16 and a run long
+    enough to time a compile, bf16 is also timed compiled in the same pass; the third value is then
+    train.compile's decision (resolve_compile takes it), else None."""
     p = str(cfg.trainer.get("precision"))
     if p != "auto":
-        return p, {}
+        return p, {}, None
     import torch
 
     if cfg.trainer.get("accelerator") not in (None, "cpu", "auto") or torch.cuda.is_available():
-        return "bf16-mixed", {"why": "a GPU"}
+        return "bf16-mixed", {"why": "a GPU"}, None
     if cfg.backbone.lora.enabled:
-        return "32-true", {"why": "backbone.lora trains through the live backbone (not timed)"}
-    from mtp_train.lit.step_options import choose_precision
+        return "32-true", {"why": "backbone.lora trains through the live backbone (not timed)"}, None
+    from mtp_train.backbone import cpu_has_native_bf16
+    from mtp_train.lit.step_options import choose_jointly, choose_precision
 
     dm.setup()  # the first training batches (the sampler draws from its own seeded generator: the
     # order training then sees is unchanged)
     batches = [b for _, b in zip(range(4), dm.train_dataloader(), strict=False)]
     if len(batches) < 2:
-        return "32-true", {"why": "too few training batches to time"}
-    return choose_precision(backbone, heads, cfg.loss, cfg.train, batches)
+        return "32-true", {"why": "too few training batches to time"}, None
+    if cfg.train.compile == "auto" and cpu_has_native_bf16() and compile_untimed(cfg, dm, budget) is None:
+        precision, compiled, p_record, c_record = choose_jointly(backbone, heads, cfg.loss, cfg.train, batches)
+        return precision, p_record, None if compiled is None else (compiled, c_record)
+    return (*choose_precision(backbone, heads, cfg.loss, cfg.train, batches), None)
 
 
-def resolve_compile(cfg: Config, backbone, heads, dm, precision: str, budget, world_size: int) -> tuple[bool, dict]:
+def compile_untimed(cfg: Config, dm, budget, world_size: int | None = None) -> str | None:
+    """Why train.compile=auto trains eager without timing a compile here, or None where it times one.
+    world_size None: judged from the config, before the trainer exists (trainer.devices and num_nodes)."""
+    strategy = str(cfg.trainer.get("strategy") or "auto")
+    if world_size is None:
+        devices = cfg.trainer.get("devices")
+        world_size = (devices if isinstance(devices, int) else 1 if devices in (None, "auto", "1") else 2) * int(
+            cfg.trainer.get("num_nodes") or 1)
+    if world_size > 1 or "deepspeed" in strategy:
+        return "more than one device or DeepSpeed (compiled heads are tested on one device only)"
+    import torch
+
+    if cfg.trainer.get("accelerator") not in (None, "cpu", "auto") or torch.cuda.is_available():
+        return "not timed on a GPU (train.compile=on compiles there)"
+    if cfg.backbone.lora.enabled:
+        return "backbone.lora trains through the live backbone (not timed)"
+    from mtp_train.lit.step_options import COMPILE_MIN_SECONDS
+
+    if budget is not None and budget.seconds < COMPILE_MIN_SECONDS:
+        return f"a {budget.seconds:.0f} s budget is too short to pay a compile back"
+    dm.setup()
+    if budget is None and (steps := planned_steps(cfg, dm)) < COMPILE_MIN_STEPS:
+        return f"{steps} steps (trainer.max_steps / max_epochs) are too few to pay a compile back"
+    return None
+
+
+def resolve_compile(cfg: Config, backbone, heads, dm, precision: str, budget, world_size: int,
+                    timed: tuple[bool, dict] | None = None) -> tuple[bool, dict]:
     """train.compile: whether the heads' forward trains compiled, and why. `auto` times it on a CPU
     on the first training batches in the chosen precision (mtp_train/lit/step_options.py), unless
-    the run is too short to pay a compile back; `on` compiles without timing."""
+    the run is too short to pay a compile back or `timed` holds the decision resolve_precision made
+    with the precision; `on` compiles without timing."""
     mode = cfg.train.compile
     if mode == "off":
         return False, {}
     strategy = str(cfg.trainer.get("strategy") or "auto")
-    if world_size > 1 or "deepspeed" in strategy:
-        if mode == "on":
+    if mode == "on":
+        if world_size > 1 or "deepspeed" in strategy:
             raise ConfigError(f"train.compile=on: compiled heads are tested on one device only, and this run has "
                               f"{world_size} process(es) with strategy {strategy}; use train.compile=off")
-        return False, {"why": "more than one device or DeepSpeed (compiled heads are tested on one device only)"}
-    if mode == "on":
         return True, {"why": "train.compile=on"}
-    import torch
+    if why := compile_untimed(cfg, dm, budget, world_size):
+        return False, {"why": why}
+    if timed is not None:
+        return timed
+    from mtp_train.lit.step_options import choose_compile
 
-    if cfg.trainer.get("accelerator") not in (None, "cpu", "auto") or torch.cuda.is_available():
-        return False, {"why": "not timed on a GPU (train.compile=on compiles there)"}
-    if cfg.backbone.lora.enabled:
-        return False, {"why": "backbone.lora trains through the live backbone (not timed)"}
-    from mtp_train.lit.step_options import COMPILE_MIN_SECONDS, choose_compile
-
-    if budget is not None and budget.seconds < COMPILE_MIN_SECONDS:
-        return False, {"why": f"a {budget.seconds:.0f} s budget is too short to pay a compile back"}
-    dm.setup()
-    if budget is None and (steps := planned_steps(cfg, dm)) < COMPILE_MIN_STEPS:
-        return False, {"why": f"{steps} steps (trainer.max_steps / max_epochs) are too few to pay a compile back"}
     batches = [b for _, b in zip(range(4), dm.train_dataloader(), strict=False)]
     if len(batches) < 2:
         return False, {"why": "too few training batches to time"}
@@ -417,13 +442,14 @@ def _run_train(cfg: Config) -> dict:
     had_checkpoint = layout.last_checkpoint(run_dir).exists()
     import_only = imported is not None and cfg.trainer.get("max_steps") == 0
     choose_t0 = time.time()
+    timed_compile = None  # train.compile's decision where resolve_precision timed it with the precision
     if import_only:  # heads trained elsewhere, validated once: nothing to budget or time
         budget, budget_record = None, {}
         precision, precision_record = trained_precision(cfg, {}), {"why": "imported heads, not trained here"}
     elif done is None:  # a finished run only validates once more: nothing to budget or time
         budget, budget_record = time_budget(cfg, backbone, dm, resuming=had_checkpoint)
         choose_t0 = time.time()
-        precision, precision_record = resolve_precision(cfg, backbone, heads, dm)
+        precision, precision_record, timed_compile = resolve_precision(cfg, backbone, heads, dm, budget)
     else:
         budget, budget_record = None, {}
         precision, precision_record = trained_precision(cfg, done), {}
@@ -437,7 +463,7 @@ def _run_train(cfg: Config) -> dict:
     if done is not None:
         return record_tree_stats(run_dir, module, trainer, dm, done)
     compiled, compile_record = (False, {}) if import_only else resolve_compile(
-        cfg, backbone, heads, dm, precision, budget, trainer.world_size)
+        cfg, backbone, heads, dm, precision, budget, trainer.world_size, timed_compile)
     if compiled:  # in place: the module, its state dict and its checkpoints are what eager training has
         heads.compile(dynamic=True)
     if budget is not None and (chose_s := time.time() - choose_t0) > 1.0:
