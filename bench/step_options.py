@@ -2,14 +2,17 @@
 trainer.precision=bf16-mixed does on a CPU), torch.compile of the heads, and both.
 
     python bench/step_options.py [--rounds 3] [--steps 6] [--options fp32,bf16,compile,bf16+compile]
-                                 [--profile] [hydra overrides...]   # run where `mtp-prep` ran
+                                 [--profile] [--roofline] [hydra overrides...]   # run where `mtp-prep` ran
     python bench/step_options.py backbone=tiny                      # smoke run
 
 The same batches (from the demo's cache, the length-windowed order training uses) go through a
 whole training step under each option (mtp_train/lit/step_options.py: rotating order per round,
 the same initial heads, the first step untimed; for compile that is the compile, printed apart). Prints the CPU (family, model, vector flags), train tokens/s per option
 (median over rounds, min-max) and the ratio to float32, and with --profile the heaviest operators
-of one float32 step.
+of one float32 step. --roofline counts a step's floating-point operations (torch's FlopCounterMode,
+forward and backward: the matmuls and attention) and prints each option's GFLOP/s beside what one
+plain matmul of the draft LM head's shape reaches here in the same dtype: how far a faster step
+could still go on this CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--options", default="fp32,bf16,compile,bf16+compile")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--roofline", action="store_true")
     args, overrides = ap.parse_known_args(argv)
     cfg = compose_config(["experiment=smollm2_demo", "paths.output_dir=outputs/bench", *overrides])
     from data_prep.stages import run_prep
@@ -79,6 +83,51 @@ def main(argv: list[str]) -> None:
               f"{med / args.steps:>7.3f} {base / med:>8.2f}x {timed[name]['first_s']:>10.1f}s")
     if args.profile:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    if args.roofline:
+        roofline(cfg, backbone, initial, batches, per_round, args.steps, options)
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """The best of `repeats` of one [m, k] @ [k, n] matmul in `dtype`, as GFLOP/s."""
+    import time
+
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b  # warm-up
+    best = min(_timed(lambda: a @ b, time.perf_counter) for _ in range(repeats))
+    return 2 * m * k * n / best / 1e9
+
+
+def _timed(fn, clock) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def roofline(cfg, backbone, heads, batches, per_round: dict, steps: int, options: list[str]) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mtp_train.lit.module import MTPHeadsModule
+
+    module = MTPHeadsModule(backbone, heads, cfg.loss, cfg.train)
+    module.log = lambda *a, **k: None
+    flops = 0
+    for b in batches[1:]:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            module.model_step(b, "train").backward()
+        flops += counter.get_total_flops()
+    module.zero_grad(set_to_none=True)
+    rows = sum(int(b["attention_mask"].sum()) for b in batches[1:]) // steps
+    hidden, vocab = backbone.hidden_size, int(cfg.heads.draft_vocab or backbone.vocab_size)
+    peak = {d: matmul_gflops(rows, hidden, vocab, getattr(torch, t)) for d, t in
+            (("fp32", "float32"), ("bf16", "bfloat16"))}
+    print(f"roofline: {flops / steps / 1e9:.1f} GFLOP a step (forward + backward, counted by FlopCounterMode); "
+          f"a plain [{rows} x {hidden}] @ [{hidden} x {vocab}] matmul reaches {peak['fp32']:.0f} GFLOP/s in "
+          f"float32, {peak['bf16']:.0f} in bf16 here")
+    for name in options:
+        rate = flops / statistics.median(per_round[name]) / 1e9
+        ref = peak["bf16" if "bf16" in name else "fp32"]
+        print(f"  {name:<14} {rate:>6.0f} GFLOP/s = {rate / ref:.0%} of that matmul's")
 
 
 if __name__ == "__main__":
