@@ -698,3 +698,34 @@ def test_a_checkpoint_of_other_heads_without_its_run_record_is_refused_in_one_li
     shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
     with pytest.raises(ConfigError, match=r"last\.ckpt holds other heads than these \(parameters \["):
         train_only(typed_cfg(*FAST, "heads.k=3", f"paths.output_dir={tmp_path}/b"))
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_train_steps_estimate_alpha_on_strided_positions_and_validation_on_all(split):
+    """train/alpha_d* reads every TRAIN_ALPHA_STRIDE-th position (a tenth of a step saved on the demo's
+    heads); val/alpha_d* reads every one. Both against the obvious mean of acceptance()."""
+    from types import SimpleNamespace
+
+    from mtp_train.lit.module import TRAIN_ALPHA_STRIDE, MTPHeadsModule
+    from mtp_train.losses import LossOutput, acceptance
+
+    g = torch.Generator().manual_seed(0)
+    n, k, v = 5 * TRAIN_ALPHA_STRIDE + 3, 2, 16
+    logits = torch.randn(1, n, k, v, generator=g) * 2
+    teacher = torch.log_softmax(torch.randn(1, n, k, v, generator=g) * 2, -1)
+    valid = torch.rand(1, n, k, generator=g) > 0.2
+    logged = {}
+    fake = SimpleNamespace(heads=SimpleNamespace(to_tokens=lambda t: t), k=k, _val_chain=[], _val_sampled={},
+                           train_cfg=SimpleNamespace(sampled_tau_temperatures=[]),
+                           log=lambda name, value, **kw: logged.__setitem__(name, float(value)))
+    out = LossOutput(loss=torch.tensor(0.0), per_depth=torch.zeros(k))
+    tokens = torch.zeros(1, n, k, dtype=torch.long)
+    MTPHeadsModule._log_metrics(fake, split, out, logits, teacher, tokens, tokens, valid)
+    alpha = acceptance(logits, teacher, teacher_logprobs=True)
+    every = range(0, n, TRAIN_ALPHA_STRIDE) if split == "train" else range(n)
+    for j in range(k):
+        pairs = [(alpha[0, t, j].item(), valid[0, t, j].item()) for t in every]
+        expected = sum(a for a, ok in pairs if ok) / max(1, sum(ok for _, ok in pairs))
+        assert logged[f"{split}/alpha_d{j + 1}"] == pytest.approx(expected, rel=1e-5)
+    full = (alpha[0, :, 0] * valid[0, :, 0]).sum().item() / valid[0, :, 0].sum().item()
+    assert (logged[f"{split}/alpha_d1"] == pytest.approx(full, rel=1e-5)) == (split == "val")
