@@ -114,7 +114,7 @@ def test_precision_and_compile_auto_are_timed_together_where_bf16_is_native(type
 
 
 @pytest.mark.integration
-def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg):
+def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg, monkeypatch):
     """Every option is a real step: from the same start, one step of fp32 and of bf16 autocast moves
     the heads, and the losses they report agree to bf16's precision."""
     from mtp_train.backbone import load_backbone
@@ -136,9 +136,20 @@ def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg):
     heads = build_heads(cfg.heads, backbone)
     before = {n: p.detach().clone() for n, p in heads.named_parameters()}
     rng = torch.get_rng_state()
-    out = time_options(backbone, heads, cfg.loss, cfg.train, batches, ["fp32", "bf16"], rounds=2)
+    from mtp_train.lit.module import TRAIN_ALPHA_STRIDE, MTPHeadsModule
+
+    strides, log_metrics = set(), MTPHeadsModule._log_metrics
+
+    def spy(self, *a, **k):
+        strides.add(getattr(self, "train_alpha_stride", TRAIN_ALPHA_STRIDE))
+        return log_metrics(self, *a, **k)
+
+    monkeypatch.setattr(MTPHeadsModule, "_log_metrics", spy)
+    out = time_options(backbone, heads, cfg.loss, cfg.train, batches, ["fp32", "bf16", "fp32+alpha-all"], rounds=2)
     assert torch.equal(torch.get_rng_state(), rng)  # training draws what it would have drawn untimed
-    assert set(out) == {"fp32", "bf16"} and all(len(v["round_s"]) == 2 and v["first_s"] > 0 for v in out.values())
+    assert set(out) == {"fp32", "bf16", "fp32+alpha-all"}
+    assert all(len(v["round_s"]) == 2 and v["first_s"] > 0 for v in out.values())
+    assert strides == {TRAIN_ALPHA_STRIDE, 1}  # alpha-all: the metric on every position, as before
     assert all(torch.equal(p, before[n]) for n, p in heads.named_parameters())  # copies trained, not these
 
 

@@ -248,7 +248,7 @@ class MTPHeadsModule(L.LightningModule):
         # alpha reads the whole (N, k, |D|) distributions three times more (softmax, p, min): about a
         # tenth of a training step on the demo's heads (docs/training.md). A training step estimates it
         # on every TRAIN_ALPHA_STRIDE-th position; validation computes it on all
-        stride = TRAIN_ALPHA_STRIDE if split == "train" else 1
+        stride = getattr(self, "train_alpha_stride", TRAIN_ALPHA_STRIDE) if split == "train" else 1
         alpha = acceptance(logits[:, ::stride], teacher[:, ::stride], teacher_logprobs=True)  # (1, N / stride, k)
         n_alpha = valid[:, ::stride].sum(dim=(0, 1)).clamp_min(1)  # (k,)
         n = valid.sum(dim=(0, 1)).clamp_min(1)  # (k,)

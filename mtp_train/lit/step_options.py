@@ -1,7 +1,9 @@
 """Training-step options timed where the code runs, and trainer.precision=auto chosen by them.
 
 An option is a name made of parts joined by "+": `fp32`, `bf16` (autocast to bfloat16, what
-Lightning's bf16-mixed does on a CPU) and `compile` (torch.compile of the heads' forward). Each
+Lightning's bf16-mixed does on a CPU), `compile` (torch.compile of the heads' forward) and
+`alpha-all` (the training metric train/alpha_d* on every position, as before it was estimated on
+every TRAIN_ALPHA_STRIDE-th: for the bench's side by side only). Each
 option gets its own copy of the same initial heads and its own AdamW, runs one untimed step first
 (for compile: the compile), then whole steps (forward, loss, backward, optimizer) over the same
 batches, in a rotating order per round, so that a machine that speeds up or slows down favours
@@ -45,6 +47,8 @@ def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], opti
         own = copy.deepcopy(heads)
         module = MTPHeadsModule(backbone, own, loss_cfg, train_cfg)
         module.log = lambda *a, **k: None  # no trainer here: nothing is logged
+        if "alpha-all" in parts:
+            module.train_alpha_stride = 1
         if "compile" in parts:
             own.compile(dynamic=True)  # in place, as training compiles: the same state dict keys
         setups[name] = (module, torch.optim.AdamW(own.parameters(), lr=train_cfg.lr), "bf16" in parts)
