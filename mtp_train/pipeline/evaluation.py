@@ -325,8 +325,8 @@ def _run_eval(cfg: Config) -> dict:
         sized["sampled_fit"] = fit
         if fit["cut"]:
             sized["cut"] = [*sized["cut"], f"sampled runs at T={fit['cut']} (each predicted "
-                            f"{fit['per_temperature_s'] / 60:.1f} min from the greedy decodes, "
-                            f"{fit['left_s'] / 60:.1f} min left)"]
+                            f"{fit['per_temperature_s'] / 60:.1f} min from the greedy decodes, and "
+                            f"{fit['tail_s'] / 60:.1f} min after them, for {fit['left_s'] / 60:.1f} min left)"]
     # the training's predictions of the sampled chain's tau, per temperature (val/sim_tau_t0.7, ...)
     report["sim_tau_sampled"] = {m[1]: v for key, v in (meta.get("metrics") or {}).items()
                                  if (m := re.fullmatch(r"val/sim_tau_t(\d+\.\d+)", key))}
