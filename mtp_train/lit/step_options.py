@@ -72,6 +72,18 @@ def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], opti
     return out
 
 
+def _seconds_a_step(timed: dict, batches: list[dict]) -> dict[str, float]:
+    """time_options' rounds as the median seconds of one timed step, per option."""
+    return {n: statistics.median(v["round_s"]) / (len(batches) - 1) for n, v in timed.items()}
+
+
+def _compile_failure(err: Exception) -> str:
+    """The record's `why` for a compile that failed (its first line), logged as training eager."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    log.warning("train.compile=auto: torch.compile failed here (%s: %s); training eager", type(err).__name__, first)
+    return f"torch.compile failed: {type(err).__name__}: {first}"
+
+
 def choose_precision(backbone, heads, loss_cfg, train_cfg, batches: list[dict], rounds: int = 2) -> tuple[str, dict]:
     """trainer.precision=auto: "bf16-mixed" where the CPU multiplies bf16 natively and a bf16 step
     is at least AUTO_MIN_GAIN faster than a float32 one on these batches, else "32-true"; with the
@@ -82,9 +94,8 @@ def choose_precision(backbone, heads, loss_cfg, train_cfg, batches: list[dict], 
     record = {"cpu": cpu_model(), "native_bf16": cpu_has_native_bf16()}
     if not record["native_bf16"]:
         return "32-true", {**record, "why": "no native bf16 on this CPU"}
-    t = time_options(backbone, heads, loss_cfg, train_cfg, batches, ["fp32", "bf16"], rounds)
-    steps = len(batches) - 1
-    sec = {n: statistics.median(v["round_s"]) / steps for n, v in t.items()}
+    sec = _seconds_a_step(time_options(backbone, heads, loss_cfg, train_cfg, batches, ["fp32", "bf16"], rounds),
+                          batches)
     gain = sec["fp32"] / sec["bf16"]
     choice = "bf16-mixed" if gain >= AUTO_MIN_GAIN else "32-true"
     record.update(step_s={n: round(v, 4) for n, v in sec.items()}, bf16_gain=round(gain, 3))
@@ -105,11 +116,8 @@ def choose_compile(backbone, heads, loss_cfg, train_cfg, batches: list[dict], pr
     try:
         t = time_options(backbone, heads, loss_cfg, train_cfg, batches, [base, f"{base}+compile"], rounds)
     except Exception as err:  # noqa: BLE001 - any compiler failure means: train eager
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        log.warning("train.compile=auto: torch.compile failed here (%s: %s); training eager", type(err).__name__, first)
-        return False, {**record, "why": f"torch.compile failed: {type(err).__name__}: {first}"}
-    steps = len(batches) - 1
-    sec = {n: statistics.median(v["round_s"]) / steps for n, v in t.items()}
+        return False, {**record, "why": _compile_failure(err)}
+    sec = _seconds_a_step(t, batches)
     gain = sec[base] / sec[f"{base}+compile"]
     choice = gain >= COMPILE_MIN_GAIN
     record.update(step_s={n: round(v, 4) for n, v in sec.items()}, compile_gain=round(gain, 3),
@@ -135,12 +143,10 @@ def choose_jointly(backbone, heads, loss_cfg, train_cfg, batches: list[dict],
     try:
         t = time_options(backbone, heads, loss_cfg, train_cfg, batches, ["fp32", "bf16", "bf16+compile"], rounds)
     except Exception as err:  # noqa: BLE001 - any compiler failure means: train eager
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        log.warning("train.compile=auto: torch.compile failed here (%s: %s); training eager", type(err).__name__, first)
+        why = _compile_failure(err)
         precision, record = choose_precision(backbone, heads, loss_cfg, train_cfg, batches, rounds)
-        return precision, False, record, {"cpu": cpu, "why": f"torch.compile failed: {type(err).__name__}: {first}"}
-    steps = len(batches) - 1
-    sec = {n: statistics.median(v["round_s"]) / steps for n, v in t.items()}
+        return precision, False, record, {"cpu": cpu, "why": why}
+    sec = _seconds_a_step(t, batches)
     step_s = {n: round(v, 4) for n, v in sec.items()}
     bf16_gain, compile_gain = sec["fp32"] / sec["bf16"], sec["bf16"] / sec["bf16+compile"]
     compiled_vs_fp32 = sec["fp32"] / sec["bf16+compile"]
