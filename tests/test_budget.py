@@ -321,6 +321,32 @@ def test_sampled_runs_are_kept_in_order_while_the_greedy_decodes_say_they_fit():
         "per_temperature_s"] == pytest.approx((2.0 + 2.5 + 2.5) * SAMPLED_OVERHEAD, abs=0.1)
 
 
+def test_under_a_deadline_modes_of_an_uncalibrated_predictor_are_not_decoded(typed_cfg):
+    """A predictor mtp-clp could not calibrate holds threshold 1.0: its modes would decode as greedy
+    does, so under a deadline they are dropped (and named in the cut) before the sampled runs are
+    priced; a calibrated one, a threshold given by hand, or the last mode left stay."""
+    from mtp_train.pipeline.evaluation import drop_uncalibrated
+
+    def policy(calibrated):
+        return SimpleNamespace(calibrated=calibrated)
+
+    cfg = typed_cfg(*FAST, "eval.modes=[verify,tree,clp,clp+verify]", "eval.sampling.temperatures=[0,1.0]")
+    out, cut = drop_uncalibrated(cfg, {"clp": policy(False), "clp+verify": policy(False)})
+    assert out.eval.modes == ["verify", "tree"] and out.eval.sampling.temperatures == [0, 1.0]
+    assert len(cut) == 1 and "clp" in cut[0] and "clp+verify" in cut[0] and "not calibrated" in cut[0]
+    same, cut = drop_uncalibrated(cfg, {"clp": policy(True), "clp+verify": policy(True)})
+    assert same is cfg and cut == []
+    by_hand = typed_cfg(*FAST, "eval.modes=[verify,clp]", "eval.span_threshold=0.9")
+    assert drop_uncalibrated(by_hand, {"clp": policy(False)}) == (by_hand, [])
+    only = typed_cfg(*FAST, "eval.modes=[clp]")
+    assert drop_uncalibrated(only, {"clp": policy(False)}) == (only, [])
+    # the sampled runs were asked for the dropped mode only: none is left to sample
+    one = typed_cfg(*FAST, "eval.modes=[verify,clp+verify]", "eval.sampling.temperatures=[0,1.0]",
+                    "eval.sampling.modes=[clp+verify]")
+    out, _ = drop_uncalibrated(one, {"clp+verify": policy(False)})
+    assert out.eval.modes == ["verify"] and out.eval.sampling.temperatures == [0]
+
+
 @pytest.mark.parametrize("hours", [-25, 25, -1e6])
 def test_a_deadline_no_run_could_mean_is_refused_naming_the_key(hours):
     from mtp_train.pipeline.budget import check_deadline

@@ -318,6 +318,14 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert set(report["modes"]["clp"]) == CORE_KEYS
     _check_pipeline_report(root, report)
     assert report["predictors"]["gate"]["parameters"] > 100 * report["predictors"]["clp"]["parameters"]
+    # under a deadline, a predictor calibration left at 1.0 (commits nothing) is listed but not decoded
+    import time
+
+    calibrated = report["predictors"]["clp"]["calibrated"]
+    timed = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp]", f"eval.clp_run={root}/clp", "eval.rounds=1",
+                               f"budget.deadline={time.time() + 3600}", f"paths.output_dir={root}/eval-clp-dl"))
+    assert ("clp" in timed["modes"]) is calibrated and timed["predictors"]["clp"]["calibrated"] is calibrated
+    assert any("not calibrated" in c for c in timed["sized_to_deadline"]["cut"]) is not calibrated
     # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp_run={root}/clp",
                                 "eval.span_threshold=0.05"))

@@ -250,6 +250,32 @@ def run_eval(cfg: Config) -> dict:
         return _run_eval(cfg)
 
 
+def drop_uncalibrated(cfg: Config, policies: dict) -> tuple[Config, list[str]]:
+    """Under budget.deadline: cfg without the modes whose span predictor is not calibrated (mtp-clp
+    found no threshold within the quality bounds and saved 1.0, which commits no draft beyond what
+    verification would), and what was dropped. Their decodes would be greedy's plus the predictor's
+    cost, minutes the sampled runs can use; the report still lists the predictor (`policies` is only read).
+    A threshold given by hand (eval.span_threshold) is decoded, and the last mode is never dropped."""
+    import dataclasses
+
+    if cfg.eval.span_threshold is not None:
+        return cfg, []
+    drop = [m for m in cfg.eval.modes if m in policies and not policies[m].calibrated]
+    keep = [m for m in cfg.eval.modes if m not in drop]
+    if not drop or not keep:
+        return cfg, []
+    sampling = cfg.eval.sampling
+    if sampling.modes is not None:  # None is "every mode that can sample": an emptied list samples none
+        left = [m for m in sampling.modes if m in keep]
+        sampling = dataclasses.replace(sampling, modes=left or None,
+                                       temperatures=sampling.temperatures if left else
+                                       [t for t in sampling.temperatures if t == 0])
+    log.warning("budget.deadline: modes %s not decoded: their span predictor is not calibrated (no threshold met "
+                "the quality bounds), so they would decode as greedy does", drop)
+    return (dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, modes=keep, sampling=sampling)),
+            [f"modes {drop} (span predictor not calibrated: would decode as greedy)"])
+
+
 def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, dict]:
     """budget.deadline: eval.* cut to what HF generate's measured rate says fits before it
     (mtp_train/pipeline/budget.py: sampled runs, then extra modes, then shorter decodes)."""
@@ -311,9 +337,11 @@ def _run_eval(cfg: Config) -> dict:
     log.info("decoding (and HF generate) in %s (eval.dtype=%s)", dtype, cfg.eval.dtype)
     prompts, skipped = select_prompts(cfg, backbone)
     sized = None
-    if cfg.budget.deadline is not None and prompts:
-        cfg, sized = size_to_deadline(cfg, backbone, sorted(prompts, key=len)[len(prompts) // 2])  # a typical one
     policies = load_span_policies(cfg, backbone, heads)
+    if cfg.budget.deadline is not None and prompts:
+        cfg, dropped = drop_uncalibrated(cfg, policies)
+        cfg, sized = size_to_deadline(cfg, backbone, sorted(prompts, key=len)[len(prompts) // 2])  # a typical one
+        sized["cut"] = [*dropped, *sized["cut"]]
     adapted = adapted_backbone(backbone, prompts, cfg) if heads is not None else None
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
