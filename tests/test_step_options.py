@@ -141,7 +141,7 @@ def test_timed_options_train_the_same_heads_to_nearby_losses(typed_cfg, monkeypa
     strides, log_metrics = set(), MTPHeadsModule._log_metrics
 
     def spy(self, *a, **k):
-        strides.add(getattr(self, "train_alpha_stride", TRAIN_ALPHA_STRIDE))
+        strides.add(self.train_alpha_stride)
         return log_metrics(self, *a, **k)
 
     monkeypatch.setattr(MTPHeadsModule, "_log_metrics", spy)

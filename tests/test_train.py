@@ -716,6 +716,7 @@ def test_train_steps_estimate_alpha_on_strided_positions_and_validation_on_all(s
     valid = torch.rand(1, n, k, generator=g) > 0.2
     logged = {}
     fake = SimpleNamespace(heads=SimpleNamespace(to_tokens=lambda t: t), k=k, _val_chain=[], _val_sampled={},
+                           train_alpha_stride=TRAIN_ALPHA_STRIDE,
                            train_cfg=SimpleNamespace(sampled_tau_temperatures=[]),
                            log=lambda name, value, **kw: logged.__setitem__(name, float(value)))
     out = LossOutput(loss=torch.tensor(0.0), per_depth=torch.zeros(k))

@@ -59,11 +59,12 @@ class NonFiniteLoss(MtpError):
 
 class MTPHeadsModule(L.LightningModule):
     def __init__(self, backbone, heads: torch.nn.Module, loss_cfg: LossConfig, train_cfg: TrainConfig,
-                 lora_cfg: LoraConfig | None = None):
+                 lora_cfg: LoraConfig | None = None, train_alpha_stride: int = TRAIN_ALPHA_STRIDE):
         super().__init__()
         self.backbone = backbone  # not an nn.Module: its base weights are never trained or checkpointed
         self.heads = heads
         self.loss_cfg, self.train_cfg = loss_cfg, train_cfg
+        self.train_alpha_stride = train_alpha_stride  # 1: every position (bench/step_options.py's alpha-all)
         # with backbone.lora: the backbone's LoRA layers, registered here so that the optimizer, DDP
         # and checkpoints see them (the same objects the backbone runs); None otherwise
         self.lora_cfg = lora_cfg if lora_cfg is not None and lora_cfg.enabled else None
@@ -248,7 +249,7 @@ class MTPHeadsModule(L.LightningModule):
         # alpha reads the whole (N, k, |D|) distributions three times more (softmax, p, min): about a
         # tenth of a training step on the demo's heads (docs/training.md). A training step estimates it
         # on every TRAIN_ALPHA_STRIDE-th position; validation computes it on all
-        stride = getattr(self, "train_alpha_stride", TRAIN_ALPHA_STRIDE) if split == "train" else 1
+        stride = self.train_alpha_stride if split == "train" else 1
         alpha = acceptance(logits[:, ::stride], teacher[:, ::stride], teacher_logprobs=True)  # (1, N / stride, k)
         n_alpha = valid[:, ::stride].sum(dim=(0, 1)).clamp_min(1)  # (k,)
         n = valid.sum(dim=(0, 1)).clamp_min(1)  # (k,)

@@ -39,16 +39,15 @@ COMPILE_MIN_SECONDS = 300.0
 def time_options(backbone, heads, loss_cfg, train_cfg, batches: list[dict], options: list[str],
                  rounds: int = 2) -> dict:
     """{option: {"first_s": the untimed first step, "round_s": [seconds of the timed steps, per round]}}."""
-    from mtp_train.lit.module import MTPHeadsModule
+    from mtp_train.lit.module import TRAIN_ALPHA_STRIDE, MTPHeadsModule
 
     setups = {}
     for name in options:
         parts = set(name.split("+"))
         own = copy.deepcopy(heads)
-        module = MTPHeadsModule(backbone, own, loss_cfg, train_cfg)
+        module = MTPHeadsModule(backbone, own, loss_cfg, train_cfg,
+                                train_alpha_stride=1 if "alpha-all" in parts else TRAIN_ALPHA_STRIDE)
         module.log = lambda *a, **k: None  # no trainer here: nothing is logged
-        if "alpha-all" in parts:
-            module.train_alpha_stride = 1
         if "compile" in parts:
             own.compile(dynamic=True)  # in place, as training compiles: the same state dict keys
         setups[name] = (module, torch.optim.AdamW(own.parameters(), lr=train_cfg.lr), "bf16" in parts)
