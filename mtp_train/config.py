@@ -297,6 +297,8 @@ class TrainConfig:
     max_length: int | None = None  # crop rows to this many tokens (None: data.max_length)
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # AdamW's (beta1, beta2); torch's default second-moment average spans ~1000 steps, EAGLE trains at (0.9, 0.95)
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     # after warm-up: cosine (to min_lr_ratio x lr), constant, or wsd (warmup-stable-decay: constant,
@@ -348,6 +350,8 @@ class TrainConfig:
         check(math.isfinite(self.lr) and self.lr > 0, "train.lr", f"must be a finite number > 0, got {self.lr}")
         check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay",
               f"must be a finite number >= 0, got {self.weight_decay}")
+        check(len(self.adam_betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas),
+              "train.adam_betas", f"must be two numbers in [0, 1), got {self.adam_betas}")
         check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check_choice(self.lr_schedule, LR_SCHEDULES, "train.lr_schedule")

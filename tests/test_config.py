@@ -114,7 +114,8 @@ def test_the_smoke_overlay_is_the_tiny_backbone_for_a_few_steps(typed_cfg):
 
 @pytest.mark.parametrize("override", ["loss.name=mse", "loss.depth_weights=[1.0]", "train.batch_size=0",
                                       "train.lr_schedule=step", "heads.k=0", "heads.draft_vocab=1",
-                                      "train.lr=inf", "train.lr=nan", "train.weight_decay=inf"])
+                                      "train.lr=inf", "train.lr=nan", "train.weight_decay=inf",
+                                      "train.adam_betas=[0.9,1.0]", "train.adam_betas=[0.9]"])
 @pytest.mark.bad_input
 def test_train_refuses_a_bad_training_value_that_eval_and_clp_never_read(compose_cfg, override):
     """mtp-eval and mtp-clp take the heads' settings from the trained run (heads.json) and train

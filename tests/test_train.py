@@ -346,6 +346,13 @@ def test_weight_decay_skips_norms_and_biases_and_lr_schedules_have_their_shape(t
     for p in decayed["params"]:
         torch.testing.assert_close(p, before[id(p)] * (1 - 0.1 * 0.5))
 
+    # train.adam_betas reach the optimizer mtp-train builds
+    from types import SimpleNamespace
+
+    eagle = MTPHeadsModule(backbone, heads, cfg.loss, typed_cfg(*FAST, "train.adam_betas=[0.9,0.95]").train)
+    eagle._trainer = SimpleNamespace(strategy=None, max_steps=10, estimated_stepping_batches=10)
+    assert eagle.configure_optimizers()["optimizer"].defaults["betas"] == (0.9, 0.95)
+
     def lrs(schedule):
         tc = typed_cfg(*FAST, f"train.lr_schedule={schedule}", "train.warmup_steps=10", "train.lr=1.0",
                        "train.min_lr_ratio=0.1", "train.decay_fraction=0.2").train

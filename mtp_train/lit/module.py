@@ -354,12 +354,13 @@ class MTPHeadsModule(L.LightningModule):
 
     def configure_optimizers(self):
         groups = [g for g in self.param_groups() if g["params"]]
+        betas = tuple(float(b) for b in self.train_cfg.adam_betas)
         if _offloads_optimizer(self.trainer.strategy):  # ZeRO-Offload steps the optimizer on the CPU
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            opt = DeepSpeedCPUAdam(groups, lr=self.train_cfg.lr, adamw_mode=True)
+            opt = DeepSpeedCPUAdam(groups, lr=self.train_cfg.lr, betas=betas, adamw_mode=True)
         else:
-            opt = torch.optim.AdamW(groups, lr=self.train_cfg.lr)
+            opt = torch.optim.AdamW(groups, lr=self.train_cfg.lr, betas=betas)
         total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0
                     else self.trainer.estimated_stepping_batches)
         sched = lr_scheduler(opt, self.train_cfg, total)
