@@ -178,7 +178,7 @@ def test_tree_modes_are_lossless_and_the_report_says_what_this_machine_chose(tra
     for name in ("verify", "tree", "dynamic", "adaptive"):
         assert modes[name]["identical_to_greedy"] is True, name
     dec = report["decoder"]
-    assert dec["dtype"] == "float32" and set(dec["matmul_layout"]) <= set("LT{}:x0123456789' ,")
+    assert dec["dtype"] == "float32" and set(dec["matmul_layout"]) <= set("LTP{}:x0123456789' ,")
     costs = dec["verify_costs"]["costs"]
     trees = dec["trees"]
     assert costs["1"] == 1.0 and {str(r["nodes"] + 1) for r in trees["candidates"]} <= set(costs)
@@ -326,6 +326,8 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
                                f"budget.deadline={time.time() + 3600}", f"paths.output_dir={root}/eval-clp-dl"))
     assert ("clp" in timed["modes"]) is calibrated and timed["predictors"]["clp"]["calibrated"] is calibrated
     assert any("not calibrated" in c for c in timed["sized_to_deadline"]["cut"]) is not calibrated
+    sized = timed["sized_to_deadline"]  # "as asked" is priced before the drop: clp's decodes included
+    assert (sized["predicted_full_s"] > sized["predicted_s"]) is not calibrated
     # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp_run={root}/clp",
                                 "eval.span_threshold=0.05"))

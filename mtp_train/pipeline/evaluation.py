@@ -276,9 +276,10 @@ def drop_uncalibrated(cfg: Config, policies: dict) -> tuple[Config, list[str]]:
             [f"modes {drop} (span predictor not calibrated: would decode as greedy)"])
 
 
-def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, dict]:
+def size_to_deadline(cfg: Config, backbone, prompt: list[int], asked: Config | None = None) -> tuple[Config, dict]:
     """budget.deadline: eval.* cut to what HF generate's measured rate says fits before it
-    (mtp_train/pipeline/budget.py: sampled runs, then extra modes, then shorter decodes)."""
+    (mtp_train/pipeline/budget.py: sampled runs, then extra modes, then shorter decodes). `asked`: the
+    configuration before anything was dropped (drop_uncalibrated), priced for the record as asked."""
     import time
 
     from mtp_train.pipeline.budget import check_deadline, decode_rate, eval_seconds, size_eval
@@ -287,17 +288,18 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int]) -> tuple[Config, 
     rate = decode_rate(backbone, prompt, backbone.model.dtype)
     left = cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min
     full = eval_seconds(cfg, rate)
+    as_asked = full if asked is None else eval_seconds(asked, rate)
     cfg, cuts = size_eval(cfg, rate, left, defer_sampled=True)
     record = {"left_s": round(left, 1), "token_s": round(rate.token_s, 5), "prefill_s": round(rate.prefill_s, 4),
-              "predicted_full_s": round(full, 1), "predicted_s": round(eval_seconds(cfg, rate), 1), "cut": cuts}
+              "predicted_full_s": round(as_asked, 1), "predicted_s": round(eval_seconds(cfg, rate), 1), "cut": cuts}
     if not cuts and full > left:
         record["sampled_deferred"] = True
     if cuts:
         log.warning("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; cut: %s",
-                    left / 60, full / 60, "; ".join(cuts))
+                    left / 60, as_asked / 60, "; ".join(cuts))
     elif full > left:
         log.info("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; its greedy part "
-                 "fits, and its measured time decides the sampled runs", left / 60, full / 60)
+                 "fits, and its measured time decides the sampled runs", left / 60, as_asked / 60)
     else:
         log.info("budget.deadline: %.1f min left, the evaluation is predicted to take %.1f", left / 60, full / 60)
     return cfg, record
@@ -339,8 +341,9 @@ def _run_eval(cfg: Config) -> dict:
     sized = None
     policies = load_span_policies(cfg, backbone, heads)
     if cfg.budget.deadline is not None and prompts:
+        asked = cfg
         cfg, dropped = drop_uncalibrated(cfg, policies)
-        cfg, sized = size_to_deadline(cfg, backbone, sorted(prompts, key=len)[len(prompts) // 2])  # a typical one
+        cfg, sized = size_to_deadline(cfg, backbone, sorted(prompts, key=len)[len(prompts) // 2], asked)  # a typical one
         sized["cut"] = [*dropped, *sized["cut"]]
     adapted = adapted_backbone(backbone, prompts, cfg) if heads is not None else None
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
