@@ -373,12 +373,16 @@ class BudgetConfig:
     original answers read to the conversations it reached. Training takes the time left before
     the deadline minus what the stages after it are predicted to take (`after_train`, from the
     backbone's decoding speed measured on this machine; mtp_train/pipeline/budget.py) and minus
-    `margin_min`."""
+    `margin_min`; the sampled runs of the evaluation are left out of that prediction where counting
+    them would leave training fewer than `train_first_min` minutes."""
 
     deadline: float | None = None  # unix time (seconds); null: no deadline
     after_train: list[str] = field(default_factory=list)  # stages run after training: clp, eval
     margin_min: float = 1.0
     distill_share: float = 0.0  # 0: distillation answers every planned prompt, deadline or not
+    # minutes of training that come before the sampled runs' reserve: where reserving them would leave
+    # training fewer, they are not reserved, and mtp-eval runs them only if its greedy decodes leave time
+    train_first_min: float = 0.0
 
     def __post_init__(self) -> None:
         check(self.deadline is None or math.isfinite(self.deadline), "budget.deadline",
@@ -389,6 +393,8 @@ class BudgetConfig:
               f"must be a number of minutes >= 0, got {self.margin_min}")
         check(0 <= self.distill_share <= 1, "budget.distill_share",
               f"must be a share of the time left in [0, 1], got {self.distill_share}")
+        check(math.isfinite(self.train_first_min) and self.train_first_min >= 0, "budget.train_first_min",
+              f"must be a number of minutes >= 0, got {self.train_first_min}")
 
 
 @dataclass

@@ -518,6 +518,10 @@ def _budget_section(heads: dict | None, report: dict | None, times: dict) -> lis
             md.append(f"- deadline: {_minutes(b['left_s'])} left when training started; the later stages "
                       f"({', '.join(after['decodes']) or 'none'}) predicted {_minutes(after['total_s'])}, took "
                       f"{_minutes(took) if took else 'n/a'}; margin {_minutes(b['margin_s'])}")
+        if (u := b.get("sampled_unreserved")):
+            md.append(f"- the sampled runs (T={u['temperatures']}, predicted {_minutes(u['sampled_s'])}) were not "
+                      f"reserved: with them training would have had {_minutes(u['training_with_s'])}, under "
+                      f"budget.train_first_min; mtp-eval ran them only if its greedy decodes left the time")
         md.append(f"- training: budget {_minutes(b['budget_s'])}, spent {_minutes(b['spent_s'])}; {b['steps']} steps "
                   f"(floor {b['min_steps']}, cap {b['max_steps']}) at {_fmt(b.get('step_s'), 2)} s a step, "
                   f"validation {_fmt(b.get('validation_s'), 1)} s")

@@ -245,6 +245,7 @@ def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(type
     (["budget.after_train=[train]"], "budget.after_train"),
     (["budget.deadline=nan"], "budget.deadline"),
     (["budget.distill_share=1.5"], "budget.distill_share"),
+    (["budget.train_first_min=-1"], "budget.train_first_min"),
     (["data.distill.min_train_prompts=-1"], "data.distill.min_train_prompts"),
 ])
 def test_bad_budget_settings_name_their_key(typed_cfg, overrides, key):
@@ -405,3 +406,47 @@ def test_the_decode_rate_splits_the_prefill_from_the_tokens(monkeypatch):
     rate = budget.decode_rate(backbone, [1] * 192, torch.float32)
     assert rate.prefill_s == pytest.approx(2.0) and rate.token_s == pytest.approx(0.1)
     assert rate.decode_s(48) == pytest.approx(2.0 + 47 * 0.1)
+
+
+def test_training_first_minutes_come_before_the_sampled_runs_reserve(typed_cfg, monkeypatch):
+    """A slow machine (0.1 s a token): reserving the evaluation's sampled run leaves training less
+    than budget.train_first_min, so the run is not reserved and training gets up to those minutes
+    (not more: the rest stays for the sampled run); a fast one, or the rule off, reserves it as before."""
+    from mtp_train.pipeline import budget
+
+    now = 1.8e9
+    monkeypatch.setattr(budget, "decode_rate", lambda *a, **k: budget.Rate(prefill_s=0.5, token_s=0.1))
+    args = [*FAST, "budget.after_train=[clp,eval]", "eval.n_prompts=20", "eval.max_new_tokens=48",
+            "eval.modes=[verify,tree]", "eval.sampling.temperatures=[0,1.0]", "budget.margin_min=1"]
+    rate = budget.Rate(prefill_s=0.5, token_s=0.1)
+    full = budget.predict_after_train(typed_cfg(*args), rate)["total_s"]
+    greedy = budget.predict_after_train(typed_cfg(*args, "eval.sampling.temperatures=[0]"), rate)["total_s"]
+    assert greedy < full
+    left = full + 60 + 120  # with the sampled run reserved, training would get 2 min
+    deadline = f"budget.deadline={now + left}"
+
+    off, rec = budget.deadline_training_seconds(typed_cfg(*args, deadline), None, [1], now=now)
+    assert off == pytest.approx(120, abs=1) and "sampled_unreserved" not in rec
+    first, rec = budget.deadline_training_seconds(typed_cfg(*args, deadline, "budget.train_first_min=5"), None, [1], now=now)
+    assert first == pytest.approx(300, abs=1)  # 5 min, though the greedy part alone would leave more
+    assert left - greedy - 60 > 300 and rec["after_train"]["total_s"] == pytest.approx(greedy, abs=0.2)
+    assert rec["sampled_unreserved"]["temperatures"] == [1.0] and rec["sampled_unreserved"]["training_with_s"] == pytest.approx(120, abs=1)
+    most, _ = budget.deadline_training_seconds(typed_cfg(*args, deadline, "budget.train_first_min=60"), None, [1], now=now)
+    assert most == pytest.approx(left - greedy - 60, abs=1)  # all the greedy part leaves, no more
+    roomy, rec = budget.deadline_training_seconds(typed_cfg(*args, f"budget.deadline={now + full + 60 + 900}",
+                                                            "budget.train_first_min=5"), None, [1], now=now)
+    assert roomy == pytest.approx(900, abs=1) and "sampled_unreserved" not in rec
+
+
+def test_the_report_says_when_the_sampled_runs_were_not_reserved():
+    from mtp_train.report import _budget_section
+
+    b = {"cpu": "AMD EPYC", "dtype": "float32", "deadline": 1.8e9, "left_s": 1062.0, "margin_s": 60.0,
+         "after_train": {"token_s": 0.0735, "prefill_s": 0.54, "decodes": {"clp": 12, "eval": 64}, "total_s": 540.0},
+         "budget_s": 470.0, "spent_s": 480.0, "steps": 250, "min_steps": 100, "max_steps": 5000, "step_s": 1.75,
+         "validation_s": 13.0}
+    plain = "\n".join(_budget_section({"recipe": {"budget": b}}, None, {"clp": 90.0, "eval": 400.0}))
+    assert "not reserved" not in plain and "250 steps" in plain
+    b["sampled_unreserved"] = {"temperatures": [1.0], "training_with_s": 180.0, "sampled_s": 290.0}
+    md = "\n".join(_budget_section({"recipe": {"budget": b}}, None, {"clp": 90.0, "eval": 400.0}))
+    assert "sampled runs (T=[1.0], predicted 4.8 min) were not reserved" in md and "3.0 min" in md

@@ -114,6 +114,15 @@ def check_deadline(deadline: float, now: float | None = None) -> None:
                           "its minutes x 60)")
 
 
+def without_sampled(cfg: Config) -> Config:
+    """cfg with the evaluation's sampled runs left out (its greedy decodes only)."""
+    import dataclasses
+
+    s = cfg.eval.sampling
+    sampling = dataclasses.replace(s, temperatures=[t for t in s.temperatures if t == 0], modes=None)
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sampling=sampling))
+
+
 def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: float | None = None) -> tuple[float, dict]:
     """(seconds training may take, the record of how they were found) under budget.deadline."""
     from mtp_train.evaluation.machine import cpu_model, resolve_dtype
@@ -121,13 +130,28 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
     check_deadline(cfg.budget.deadline, now)
     t0 = time.time()
     dtype = resolve_dtype(cfg.eval.dtype)
-    after = predict_after_train(cfg, decode_rate(backbone, prompt, dtype))
+    rate = decode_rate(backbone, prompt, dtype)
+    after = predict_after_train(cfg, rate)
     now = time.time() if now is None else now
     left = cfg.budget.deadline - now
     seconds = left - after["total_s"] - 60 * cfg.budget.margin_min
+    first = 60 * cfg.budget.train_first_min
+    unreserved = None
+    if seconds < first and "eval" in cfg.budget.after_train and (hot := cfg.eval.sampling.temperatures_sampled):
+        # training's first minutes come before the sampled runs: price the evaluation without them
+        greedy = predict_after_train(without_sampled(cfg), rate)
+        seconds_greedy = left - greedy["total_s"] - 60 * cfg.budget.margin_min
+        unreserved = {"temperatures": hot, "training_with_s": round(max(0.0, seconds), 1),
+                      "sampled_s": round(after["total_s"] - greedy["total_s"], 1)}
+        log.info("budget.deadline: reserving the sampled runs (T=%s, %.1f min) would leave training %.1f min, fewer "
+                 "than budget.train_first_min=%g: they are not reserved (mtp-eval runs them if its greedy decodes "
+                 "leave time)", hot, unreserved["sampled_s"] / 60, max(0.0, seconds) / 60, cfg.budget.train_first_min)
+        after, seconds = greedy, max(seconds, min(seconds_greedy, first))
     record = {"deadline": cfg.budget.deadline, "left_s": round(left, 1), "after_train": after,
               "margin_s": 60 * cfg.budget.margin_min, "training_s": round(max(0.0, seconds), 1),
               "cpu": cpu_model(), "probe_s": round(now - t0, 1), "dtype": str(dtype).replace("torch.", "")}
+    if unreserved is not None:
+        record["sampled_unreserved"] = unreserved
     log.info("deadline in %.1f min; after training %s predicted to take %.1f min (HF generate %.1f tok/s after a "
              "%.2f s prefill of %d tokens in %s on %s): %.1f min for training", left / 60,
              "+".join(after["decodes"]) or "nothing", after["total_s"] / 60, 1 / after["token_s"], after["prefill_s"],
@@ -166,8 +190,7 @@ def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = Fals
         return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **kw))
 
     if not fits(cfg) and e.sampling.temperatures_sampled:
-        greedy = with_eval(sampling=dataclasses.replace(e.sampling, temperatures=[t for t in e.sampling.temperatures
-                                                                                  if t == 0], modes=None))
+        greedy = without_sampled(cfg)
         if defer_sampled and fits(greedy):
             return cfg, cuts
         cfg = greedy
@@ -175,6 +198,8 @@ def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = Fals
     core = [m for m in cfg.eval.modes if m in LOSSLESS_CORE]
     if not fits(cfg) and core and core != list(cfg.eval.modes):
         cuts.append(f"modes {[m for m in cfg.eval.modes if m not in core]}")
+        # by here no sampled run is left (cut above, or none asked), so resetting eval.sampling.modes to
+        # None widens nothing; it keeps the configuration valid (a list may name a mode just cut)
         cfg = with_eval(modes=core, sampling=dataclasses.replace(cfg.eval.sampling, modes=None))
     if not fits(cfg):
         n = cfg.eval.max_new_tokens
