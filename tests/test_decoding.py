@@ -317,23 +317,45 @@ def test_bad_mode_arguments_are_refused(tiny_backbone):
         decode(dec, [5, 6], 4, "beam")
 
 
-def test_routed_linears_compute_the_same_in_either_layout_and_are_undone():
+@pytest.mark.parametrize("layout", ["L", "T", "P"])
+def test_routed_linears_compute_the_same_in_every_layout_and_are_undone(layout):
     from torch import nn
 
     from mtp_train.decoding import ROW_BUCKETS, MatmulPlan, routed_linears
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5, bias=False))
-    for use_t in (False, True):
-        plan = MatmulPlan({MatmulPlan.key(m.weight): [use_t] * len(ROW_BUCKETS) for m in (net[0], net[2])})
-        for shape in [(1, 8), (3, 8), (2, 4, 8), (200, 8)]:  # one row, a few, batched, beyond the buckets
-            x = torch.randn(*shape)
-            ref = net(x)
-            with routed_linears(plan, net), torch.no_grad():
-                got = net(x)
-                assert "forward" in vars(net[0])  # patched on the instance
-            torch.testing.assert_close(got, ref.detach())
-        assert "forward" not in vars(net[0]) and "forward" not in vars(net[2])
+    plan = MatmulPlan({MatmulPlan.key(m.weight): [layout] * len(ROW_BUCKETS) for m in (net[0], net[2])})
+    for shape in [(1, 8), (3, 8), (2, 4, 8), (200, 8)]:  # one row, a few, batched, beyond the buckets
+        x = torch.randn(*shape)
+        ref = net(x)
+        with routed_linears(plan, net), torch.no_grad():
+            got = net(x)
+            assert "forward" in vars(net[0])  # patched on the instance
+        torch.testing.assert_close(got, ref.detach())
+    assert "forward" not in vars(net[0]) and "forward" not in vars(net[2])
+
+
+def test_a_packed_weight_is_packed_once_and_again_after_it_changes():
+    """The "P" layout multiplies through oneDNN's packed copy of W: made on first use, reused while
+    W is unchanged, remade after an in-place change (a stale copy would compute with old weights)."""
+    from mtp_train.decoding import ROW_BUCKETS, MatmulPlan
+    from mtp_train.decoding.matmul import can_pack
+
+    torch.manual_seed(0)
+    w, x = torch.randn(24, 8), torch.randn(3, 8)
+    assert can_pack(w)  # float32 on the CPU: every oneDNN build packs it
+    plan = MatmulPlan({MatmulPlan.key(w): ["P"] * len(ROW_BUCKETS)})
+    torch.testing.assert_close(plan.mm(x, w), x @ w.T)
+    first = plan.packed(w)
+    assert plan.packed(w) is first
+    with torch.no_grad():
+        w.mul_(2)
+    assert plan.packed(w) is not first
+    torch.testing.assert_close(plan.mm(x, w), x @ w.T)
+    other = MatmulPlan(plan.choices)
+    other.adopt_packed(plan)
+    assert other.packed(w) is plan.packed(w)
 
 
 
@@ -347,7 +369,8 @@ def test_measured_layout_covers_every_weight_and_keeps_decoding_lossless(tiny_ba
     for m in (bb.model, heads):
         for lin in (x for x in m.modules() if type(x) is torch.nn.Linear):
             choice = plan.choices[MatmulPlan.key(lin.weight)]
-            assert len(choice) == len(ROW_BUCKETS) and choice[1] is False  # not measured: F.linear
+            assert len(choice) == len(ROW_BUCKETS) and choice[1] == "L"  # not measured: F.linear
+            assert {choice[0], choice[2]} <= {"L", "T", "P"}
     prompt = _prompts(1, seed=12)[0]
     assert decode(dec, prompt, 20, "verify").tokens == decode(Decoder(bb, eos_ids=[]), prompt, 20, "greedy").tokens
 
@@ -365,3 +388,13 @@ def test_drafting_past_the_budget_drafts_every_head_to_the_end_as_the_engine_doe
     full = decode(Decoder(bb, eos_ids=[], drafter=drafter, draft_past_budget=True), prompt, new, "verify")
     assert full.tokens == cut.tokens == ref.tokens[:new]
     assert full.drafted == [K] * 8 and full.accepted == [8, 8, 8]
+
+
+def test_a_weight_made_in_inference_mode_can_be_packed():
+    from mtp_train.decoding import ROW_BUCKETS, MatmulPlan
+
+    with torch.inference_mode():
+        w, x = torch.randn(24, 8), torch.randn(2, 8)
+        plan = MatmulPlan({MatmulPlan.key(w): ["P"] * len(ROW_BUCKETS)})
+        torch.testing.assert_close(plan.mm(x, w), x @ w.T)
+        assert plan.packed(w) is plan.packed(w)

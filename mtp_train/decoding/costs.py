@@ -11,23 +11,25 @@ from torch import nn
 
 from mtp_train.decoding.drafting import draft_tree
 from mtp_train.decoding.kv import crop_to
-from mtp_train.decoding.matmul import ROW_BUCKETS, MatmulPlan, routed_linears
+from mtp_train.decoding.matmul import LAYOUTS, ROW_BUCKETS, MatmulPlan, can_pack, routed_linears
 from mtp_train.trees import TreeShape
 
 
 def measure_matmuls(dec, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS) -> MatmulPlan:
     """For each row-count bucket, time a whole backbone forward of that many tokens (LM head
-    included) with every linear as `F.linear` and with every linear as `W @ x^T`, interleaved,
-    medians of `reps` after a warm-up round, and route that bucket through the faster layout
-    from now on (heads and draft projections included)."""
+    included) with every linear in each layout of matmul.LAYOUTS (`F.linear`, `W @ x^T`, and
+    oneDNN's packed weights where this CPU can pack them), interleaved in a rotating order, medians
+    of `reps` after a warm-up round, and route that bucket through the fastest layout from now on
+    (heads and draft projections included). The packed copies are kept only where chosen."""
     from transformers import DynamicCache
 
     mods = [m for m in (dec.backbone.model, dec.heads) if m is not None]
     weights = [lin.weight for m in mods for lin in m.modules() if type(lin) is nn.Linear]
     weights += [dec.weight] + ([dec.drafter.weight] if getattr(dec.drafter, "weight", None) is not None else [])
     keys = {MatmulPlan.key(w) for w in weights}
-    plans = {t: MatmulPlan({key: [t] * len(ROW_BUCKETS) for key in keys}) for t in (False, True)}
-    use_t = [False] * len(ROW_BUCKETS)
+    layouts = [t for t in LAYOUTS if t != "P" or can_pack(dec.weight)]
+    plans = {t: MatmulPlan({key: [t] * len(ROW_BUCKETS) for key in keys}) for t in layouts}
+    chosen = ["L"] * len(ROW_BUCKETS)
     ids = torch.randint(0, dec.weight.shape[0], (context + max(buckets),),
                         generator=torch.Generator().manual_seed(0)).to(dec.device)
     with torch.inference_mode():
@@ -36,9 +38,9 @@ def measure_matmuls(dec, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS)
         for i, rows in enumerate(ROW_BUCKETS):
             if rows not in buckets:
                 continue
-            times = {False: [], True: []}
+            times = {t: [] for t in layouts}
             for r in range(reps + 1):
-                for t in ((False, True) if r % 2 else (True, False)):
+                for t in layouts[r % len(layouts):] + layouts[: r % len(layouts)]:
                     with routed_linears(plans[t], *mods):
                         t0 = time.perf_counter()
                         out = dec.forward(ids[context: context + rows], cache)
@@ -47,8 +49,10 @@ def measure_matmuls(dec, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS)
                     crop_to(cache, context)
                     if r:
                         times[t].append(dt)
-            use_t[i] = statistics.median(times[True]) < statistics.median(times[False])
-    dec.mm.choices.update({key: list(use_t) for key in keys})
+            chosen[i] = min(layouts, key=lambda t: statistics.median(times[t]))
+    dec.mm.choices.update({key: list(chosen) for key in keys})
+    if "P" in chosen:  # keep the packed copies made while timing (each weight is packed once)
+        dec.mm.adopt_packed(plans["P"])
     return dec.mm
 
 

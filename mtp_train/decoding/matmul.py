@@ -1,30 +1,75 @@
 """Matmul layout for the decoder's small-batch linears, chosen by timing it on this machine
-(`costs.measure_matmuls`): x @ W^T as `F.linear` or as `W @ x^T`, per weight shape and row count."""
+(`costs.measure_matmuls`): x @ W^T as `F.linear`, as `W @ x^T`, or through a copy of W that oneDNN
+has packed once for small batches, per weight shape and row count."""
 
 from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# the layouts, as one letter each: F.linear, W @ x^T, oneDNN's linear on a packed copy of W
+LAYOUTS = ("L", "T", "P")
+# the row count oneDNN packs the weights for. On a 2-core AVX2 EPYC (family 25 model 1) packed for
+# 2 to 16 rows, all 30 SmolLM2 layers' linears plus the LM head took 33-34 ms for 1 row and 40 ms
+# for 4 against F.linear's 45 and 86; packed for 1 row, 4 rows took 66 (docs/decoding.md)
+PACK_ROWS = 4
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can pack this weight here (a CPU tensor; bf16 needs avx512bw/avx_ne_convert)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight[:1].detach().contiguous(), PACK_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 class MatmulPlan:
-    """For each weight shape and dtype the decoder multiplies, and each row-count bucket, whether to
-    compute x @ W^T as `F.linear` or as `W @ x^T`. Which is faster for 2-8 rows differs between CPUs
-    and BLAS builds, in both directions (docs/decoding.md), so `costs.measure_matmuls` decides by
-    timing whole forwards on the machine at hand; an unknown shape uses F.linear."""
+    """For each weight shape and dtype the decoder multiplies, and each row-count bucket, the layout
+    of x @ W^T: "L" `F.linear`, "T" `W @ x^T`, or "P" oneDNN's linear on a packed copy of W (made
+    on first use and kept while W is unchanged; a weight oneDNN cannot pack uses F.linear). Which is
+    faster for 2-16 rows differs between CPUs and BLAS builds, in every direction (docs/decoding.md),
+    so `costs.measure_matmuls` decides by timing whole forwards on the machine at hand; an unknown
+    shape uses F.linear."""
 
     def __init__(self, choices: dict | None = None):
-        self.choices: dict[tuple, list[bool]] = choices or {}  # key -> per bucket: use W @ x^T
+        self.choices: dict[tuple, list[str]] = choices or {}  # key -> per bucket: a letter of LAYOUTS
+        # id(weight) -> (a weak reference to it, its version when packed, the packed copy or None where
+        # it cannot be packed); an entry leaves with its weight (tensors compare by value, so no WeakKeyDictionary)
+        self._packed: dict[int, tuple] = {}
 
     @staticmethod
     def key(weight: torch.Tensor) -> tuple:
         return (tuple(weight.shape), str(weight.dtype), weight.device.type)
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """oneDNN's packed copy of `weight` (None where it cannot be packed), remade after an in-place change."""
+        got = self._packed.get(id(weight))
+        if got is None or got[0]() is not weight or got[1] != _version(weight):
+            with torch.no_grad():
+                w = weight.detach().contiguous()
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if can_pack(w) else None
+            got = self._keep(weight, _version(weight), packed)
+        return got[2]
+
+    def adopt_packed(self, other: MatmulPlan) -> None:
+        """Use the packed copies `other` has made (no weight is packed twice)."""
+        for ref, version, packed in list(other._packed.values()):
+            if (weight := ref()) is not None:
+                self._keep(weight, version, packed)
+
+    def _keep(self, weight: torch.Tensor, version: int, packed: torch.Tensor | None) -> tuple:
+        table, key = self._packed, id(weight)
+        table[key] = (weakref.ref(weight, lambda _: table.pop(key, None)), version, packed)
+        return table[key]
 
     def mm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., d) @ weight (n, d)^T (+ bias) in the layout measured faster for this many rows."""
@@ -32,8 +77,11 @@ class MatmulPlan:
         choice = self.choices.get(self.key(weight))
         if choice is None or rows > ROW_BUCKETS[-1] or x.requires_grad:
             return F.linear(x, weight, bias)
-        bucket = next(i for i, b in enumerate(ROW_BUCKETS) if b >= rows)
-        if not choice[bucket]:
+        layout = choice[next(i for i, b in enumerate(ROW_BUCKETS) if b >= rows)]
+        if layout == "P" and (w := self.packed(weight)) is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), w, bias, "none", [], "")
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+        if layout != "T":
             return F.linear(x, weight, bias)
         y = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T.contiguous()
         if bias is not None:
@@ -41,11 +89,17 @@ class MatmulPlan:
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     def describe(self) -> str:
-        """Per row bucket, L (F.linear) or T (W @ x^T); per weight shape where they differ."""
-        layouts = {"".join("T" if t else "L" for t in v) for v in self.choices.values()}
+        """Per row bucket, L (F.linear), T (W @ x^T) or P (packed); per weight shape where they differ."""
+        layouts = {"".join(v) for v in self.choices.values()}
         if len(layouts) <= 1:
             return next(iter(layouts), "")
-        return str({f"{k[0][0]}x{k[0][1]}": "".join("T" if t else "L" for t in v) for k, v in self.choices.items()})
+        return str({f"{k[0][0]}x{k[0][1]}": "".join(v) for k, v in self.choices.items()})
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The tensor's in-place change counter (an inference tensor keeps none: changed only inside
+    inference mode, where the decoder never writes its weights)."""
+    return -1 if weight.is_inference() else weight._version
 
 
 def _routed_linear(self, x: torch.Tensor) -> torch.Tensor:
