@@ -5,6 +5,7 @@ has packed once for small batches, per weight shape and row count."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 import weakref
 
@@ -77,7 +78,11 @@ class MatmulPlan:
         choice = self.choices.get(self.key(weight))
         if choice is None or rows > ROW_BUCKETS[-1] or x.requires_grad:
             return F.linear(x, weight, bias)
-        layout = choice[next(i for i, b in enumerate(ROW_BUCKETS) if b >= rows)]
+        return self.apply(by_rows(choice)[rows], x, weight, bias, rows)
+
+    def apply(self, layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              rows: int) -> torch.Tensor:
+        """x (`rows` rows of d) @ weight^T (+ bias) in `layout`."""
         if layout == "P" and (w := self.packed(weight)) is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), w, bias, "none", [], "")
             return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -102,17 +107,36 @@ def _version(weight: torch.Tensor) -> int:
     return -1 if weight.is_inference() else weight._version
 
 
+@functools.lru_cache(maxsize=64)
+def _by_rows(choice: tuple[str, ...]) -> tuple[str, ...]:
+    return ("L", *(choice[next(i for i, b in enumerate(ROW_BUCKETS) if b >= r)] for r in range(1, ROW_BUCKETS[-1] + 1)))
+
+
+def by_rows(choice) -> tuple[str, ...]:
+    """A per-bucket choice as a table indexed by the row count itself (0 .. ROW_BUCKETS[-1])."""
+    return _by_rows(tuple(choice))
+
+
 def _routed_linear(self, x: torch.Tensor) -> torch.Tensor:
-    return self._mm_plan.mm(x, self.weight, self.bias)
+    # the decoder's hot path (every linear of every forward): the layout is looked up by row count in
+    # a table made when the block was entered; Python here costs the decoder what HF generate does not pay
+    rows = x.numel() // x.shape[-1]
+    if rows >= len(self._mm_rows) or x.requires_grad or (layout := self._mm_rows[rows]) == "L":
+        return F.linear(x, self.weight, self.bias)
+    return self._mm_plan.apply(layout, x, self.weight, self.bias, rows)
 
 
 @contextlib.contextmanager
 def routed_linears(plan: MatmulPlan, *modules: nn.Module):
-    """Within the block, every nn.Linear under `modules` multiplies through `plan`."""
+    """Within the block, every nn.Linear under `modules` whose shape the plan knows multiplies through
+    it (the others keep F.linear)."""
     patched = []
     for m in modules:
         for lin in (x for x in m.modules() if type(x) is nn.Linear):
-            lin._mm_plan = plan
+            choice = plan.choices.get(plan.key(lin.weight))
+            if choice is None:
+                continue
+            lin._mm_plan, lin._mm_rows = plan, by_rows(choice)
             lin.forward = types.MethodType(_routed_linear, lin)
             patched.append(lin)
     try:
@@ -120,5 +144,5 @@ def routed_linears(plan: MatmulPlan, *modules: nn.Module):
     finally:
         for lin in patched:
             del lin.forward  # back to the class's forward
-            del lin._mm_plan
+            del lin._mm_plan, lin._mm_rows
 
