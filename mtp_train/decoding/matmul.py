@@ -55,9 +55,13 @@ class MatmulPlan:
         """oneDNN's packed copy of `weight` (None where it cannot be packed), remade after an in-place change."""
         got = self._packed.get(id(weight))
         if got is None or got[0]() is not weight or got[1] != _version(weight):
-            with torch.no_grad():
-                w = weight.detach().contiguous()
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if can_pack(w) else None
+            packed = None
+            if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+                try:  # packed once, not tried on a slice first (can_pack's probe)
+                    with torch.no_grad():
+                        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+                except RuntimeError:  # a dtype this CPU cannot pack: F.linear
+                    packed = None
             got = self._keep(weight, _version(weight), packed)
         return got[2]
 
