@@ -595,7 +595,8 @@ def _decoder_section(report: dict) -> list[str]:
           + ", ".join(f"{d} {v:.1f}" for d, v in (report.get("hf_dtypes") or {}).items())]
     if curve:
         md.append(f"- verify cost (forward over n tokens / one token of {curve['one_token_ms']:.1f} ms, "
-                  f"medians of {curve.get('rounds')} interleaved rounds): "
+                  f"medians of {curve.get('rounds')} rounds, each size timed between two one-token forwards, "
+                  f"made non-decreasing): "
                   + ", ".join(f"{n}: {c:.2f}" for n, c in curve["costs"].items()))
     if trees:
         md.append(f"- mode tree verifies `{trees.get('static')}`, dynamic `{trees.get('dynamic')}`; "

@@ -398,3 +398,79 @@ def test_a_weight_made_in_inference_mode_can_be_packed():
         plan = MatmulPlan({MatmulPlan.key(w): ["P"] * len(ROW_BUCKETS)})
         torch.testing.assert_close(plan.mm(x, w), x @ w.T)
         assert plan.packed(w) is plan.packed(w)
+
+
+def _isotonic_reference(values):
+    """The slow closed form of the nearest non-decreasing sequence: fit_i = max over j <= i of the
+    min over m >= i of mean(values[j..m])."""
+    n = len(values)
+    return [max(min(sum(values[j:m + 1]) / (m + 1 - j) for m in range(i, n)) for j in range(i + 1))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_monotone_fit_equals_the_slow_closed_form(seed):
+    from mtp_train.decoding.costs import monotone
+
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.arange(9) * 0.2 + torch.randn(9, generator=g) * 0.4).tolist()
+    fit = monotone(values)
+    assert fit == pytest.approx(_isotonic_reference(values))
+    assert all(a <= b + 1e-12 for a, b in zip(fit, fit[1:], strict=False))
+    assert monotone([1.0, 1.37, 1.40, 1.32, 1.61]) == pytest.approx([1.0, 1.3633333, 1.3633333, 1.3633333, 1.61])
+
+
+class _DriftingDecoder:
+    """A stand-in decoder whose forward over n tokens takes cost(n) x the machine's current speed on
+    a fake clock; the speed moves in slow phases, as a shared host's does."""
+
+    def __init__(self, cost, phases):
+        from mtp_train.decoding.matmul import MatmulPlan
+
+        self.cost, self.phases, self.now, self.calls = cost, phases, 0.0, 0
+        self.weight, self.device, self.mm = torch.zeros(16, 4), "cpu", MatmulPlan()
+
+    def routing(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def forward(self, ids, cache):
+        self.calls += 1
+        self.now += self.cost(len(ids)) * self.phases(self.calls)
+        return torch.zeros(len(ids), 4)
+
+    def clock(self) -> float:
+        return self.now
+
+
+def test_verify_costs_read_each_size_against_its_neighbours_so_slow_phases_cancel():
+    """The host's speed changes by 1.6x every 5 forwards; each size is still read at its true cost
+    relative to one token, because it is timed between two one-token forwards. Medians of each size's
+    own times across rounds (no pairing) would mix phases."""
+    from mtp_train.decoding.costs import verify_costs
+
+    true = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.2, 6: 1.4, 8: 1.6, 16: 2.5}
+    dec = _DriftingDecoder(lambda n: 0.05 * true[n] if n in true else 0.05 * n,
+                           lambda call: 1.6 if (call // 5) % 2 else 1.0)
+    curve = verify_costs(dec, sizes=tuple(true), context=4, rounds=7, clock=dec.clock)
+    assert curve["costs"][1] == 1.0
+    for n, c in true.items():
+        assert curve["costs"][n] == pytest.approx(c, rel=0.02), n
+    assert list(curve["costs"]) == sorted(true)
+    lo, hi = curve["spread"][4]
+    assert lo <= curve["raw"][4] <= hi
+
+
+def test_verify_costs_never_fall_with_more_tokens_and_keep_the_raw_medians():
+    """A size that reads cheaper than a smaller one (noise; here planted: 6 tokens as fast as 3) is
+    pooled with its neighbours; the raw medians stay in the curve."""
+    from mtp_train.decoding.costs import verify_costs
+
+    true = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.4, 6: 1.2, 8: 1.6}
+    dec = _DriftingDecoder(lambda n: 0.05 * true[n], lambda call: 1.0)
+    curve = verify_costs(dec, sizes=tuple(true), context=4, rounds=3, clock=dec.clock)
+    assert curve["raw"][6] == pytest.approx(1.2) and curve["raw"][4] == pytest.approx(1.4)
+    assert curve["costs"][4] == curve["costs"][6] == pytest.approx(1.3)
+    costs = list(curve["costs"].values())
+    assert all(a <= b for a, b in zip(costs, costs[1:], strict=False))

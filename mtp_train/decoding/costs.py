@@ -14,13 +14,27 @@ from mtp_train.decoding.kv import crop_to
 from mtp_train.decoding.matmul import LAYOUTS, ROW_BUCKETS, MatmulPlan, can_pack, routed_linears
 from mtp_train.trees import TreeShape
 
+# This machine's speed drifts over seconds, not per call (the memory traffic of whatever shares the
+# host): on the AVX2 EPYC (family 25 model 1) one-token forwards read 52-71 ms as means of ten in a
+# row, lag-one autocorrelation 0.64, gone after about 20 forwards (docs/decoding.md, "Timing on a
+# noisy machine"). So what is compared is timed side by side, and the figure kept is the median of
+# the per-round ratios, not a ratio of medians taken seconds apart.
 
-def measure_matmuls(dec, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS) -> MatmulPlan:
+
+def _rotated(items: list, r: int) -> list:
+    """`items` starting at its (r mod len)-th: the order of round r, so no item always goes first."""
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
+def measure_matmuls(dec, reps: int = 6, context: int = 128, buckets=ROW_BUCKETS) -> MatmulPlan:
     """For each row-count bucket, time a whole backbone forward of that many tokens (LM head
     included) with every linear in each layout of matmul.LAYOUTS (`F.linear`, `W @ x^T`, and
-    oneDNN's packed weights where this CPU can pack them), interleaved in a rotating order, medians
-    of `reps` after a warm-up round, and route that bucket through the fastest layout from now on
-    (heads and draft projections included). The packed copies are kept only where chosen."""
+    oneDNN's packed weights where this CPU can pack them), the layouts back to back in a rotating
+    order, and route that bucket through the layout with the lowest median ratio to F.linear's time
+    in the same round (`reps` rounds for up to 16 rows, half as many above: the decoder's steps are
+    mostly small; one warm-up round first). Heads and draft projections follow the same choice; the
+    packed copies are kept only where chosen."""
     from transformers import DynamicCache
 
     mods = [m for m in (dec.backbone.model, dec.heads) if m is not None]
@@ -38,18 +52,20 @@ def measure_matmuls(dec, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS)
         for i, rows in enumerate(ROW_BUCKETS):
             if rows not in buckets:
                 continue
-            times = {t: [] for t in layouts}
-            for r in range(reps + 1):
-                for t in layouts[r % len(layouts):] + layouts[: r % len(layouts)]:
+            ratios = {t: [] for t in layouts}
+            for r in range(1 + (reps if rows <= 16 else max(1, reps // 2))):
+                times = {}
+                for t in _rotated(layouts, r):
                     with routed_linears(plans[t], *mods):
                         t0 = time.perf_counter()
                         out = dec.forward(ids[context: context + rows], cache)
                         plans[t].mm(out, dec.weight).argmax(-1)
-                        dt = time.perf_counter() - t0
+                        times[t] = time.perf_counter() - t0
                     crop_to(cache, context)
-                    if r:
-                        times[t].append(dt)
-            chosen[i] = min(layouts, key=lambda t: statistics.median(times[t]))
+                if r:
+                    for t in layouts:
+                        ratios[t].append(times[t] / times["L"])
+            chosen[i] = min(layouts, key=lambda t: statistics.median(ratios[t]))
     dec.mm.choices.update({key: list(chosen) for key in keys})
     if "P" in chosen:  # keep the packed copies made while timing (each weight is packed once)
         dec.mm.adopt_packed(plans["P"])
@@ -57,11 +73,14 @@ def measure_matmuls(dec, reps: int = 4, context: int = 128, buckets=ROW_BUCKETS)
 
 
 def verify_costs(dec, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 128,
-                 rounds: int = 7, warmup: int = 2) -> dict:
+                 rounds: int = 7, warmup: int = 1, clock=time.perf_counter) -> dict:
     """Wall time of one backbone forward over n new tokens (plus the LM head and argmax) after
-    `context` cached tokens, relative to n = 1: medians of `rounds` interleaved rounds (the order
-    of sizes rotates per round) after `warmup` untimed ones. Returns {"costs": {n: ratio},
-    "one_token_ms", "spread": {n: [min, max] ratio}}."""
+    `context` cached tokens, relative to one token. Each n is timed between two one-token forwards
+    and read as its time over their mean; `costs[n]` is the median of those ratios over `rounds`
+    rounds (the order of sizes rotates; `warmup` untimed rounds first), made non-decreasing in n
+    (`monotone`: a forward over more tokens does no less work, so a dip is noise). Returns
+    {"costs": {n: ratio}, "raw": {n: the medians before the fit}, "spread": {n: [min, max] ratio},
+    "one_token_ms": the median one-token time, "context", "rounds"}."""
     with dec.routing(), torch.inference_mode():
         from transformers import DynamicCache
 
@@ -70,21 +89,47 @@ def verify_costs(dec, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), context:
         ids = torch.randint(0, dec.weight.shape[0], (context + max(sizes),), generator=g).to(dec.device)
         cache = DynamicCache()
         dec.forward(ids[:context], cache)
-        times = {n: [] for n in sizes}
+
+        def timed(n: int) -> float:
+            t0 = clock()
+            out = dec.forward(ids[context: context + n], cache)
+            dec.mm.mm(out, dec.weight).argmax(-1)
+            dt = clock() - t0
+            crop_to(cache, context)
+            return dt
+
+        ratios = {n: [] for n in sizes}
+        ones = []
         for r in range(warmup + rounds):
-            order = sizes[r % len(sizes):] + sizes[: r % len(sizes)]
-            for n in order:
-                t0 = time.perf_counter()
-                out = dec.forward(ids[context: context + n], cache)
-                dec.mm.mm(out, dec.weight).argmax(-1)
-                dt = time.perf_counter() - t0
-                crop_to(cache, context)
+            before = timed(1)
+            for n in _rotated(sizes[1:], r) if len(sizes) > 1 else []:
+                t, after = timed(n), timed(1)
                 if r >= warmup:
-                    times[n].append(dt)
-        one = statistics.median(times[1])
-        return {"costs": {n: statistics.median(t) / one for n, t in times.items()},
-                "spread": {n: [min(t) / one, max(t) / one] for n, t in times.items()},
+                    ratios[n].append(t / (0.5 * (before + after)))
+                    ones.append(before)
+                before = after
+            if r >= warmup:
+                ones.append(before)
+        one = statistics.median(ones)
+        ratios[1] = [t / one for t in ones]
+        raw = {n: statistics.median(v) for n, v in ratios.items()}
+        raw[1] = 1.0
+        fit = monotone([raw[n] for n in sizes])
+        return {"costs": {n: c / fit[0] for n, c in zip(sizes, fit, strict=True)}, "raw": raw,
+                "spread": {n: [min(v), max(v)] for n, v in ratios.items()},
                 "one_token_ms": one * 1e3, "context": context, "rounds": rounds}
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in squared error (pool adjacent violators:
+    a run that falls is replaced by its mean, repeatedly)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(c)]
 
 
 def draft_cost(dec, plan, prompt: list[int], reps: int = 5) -> float:

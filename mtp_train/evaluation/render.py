@@ -147,11 +147,18 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
     if curve:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
         ns = sorted(int(n) for n in curve["costs"])
-        cost = [curve["costs"][n] if n in curve["costs"] else curve["costs"][str(n)] for n in ns]
-        spread = [curve["spread"].get(n, curve["spread"].get(str(n))) for n in ns]
-        a1.errorbar(ns, cost, yerr=[[c - lo for c, (lo, _) in zip(cost, spread, strict=True)],
-                                    [hi - c for c, (_, hi) in zip(cost, spread, strict=True)]],
-                    fmt="o-", capsize=3)
+
+        def at(table: dict, n: int):
+            return table[n] if n in table else table[str(n)]
+
+        cost = [at(curve["costs"], n) for n in ns]
+        raw = [at(curve.get("raw") or curve["costs"], n) for n in ns]  # reports before the monotone fit had none
+        spread = [at(curve["spread"], n) for n in ns]
+        a1.errorbar(ns, raw, yerr=[[max(0.0, c - lo) for c, (lo, _) in zip(raw, spread, strict=True)],
+                                   [max(0.0, hi - c) for c, (_, hi) in zip(raw, spread, strict=True)]],
+                    fmt="o", capsize=3, label="median ratio (min-max)")
+        a1.plot(ns, cost, "-", label="non-decreasing fit (used)")
+        a1.legend(fontsize=7)
         a1.set_xscale("log", base=2)
         a1.set_xlabel("tokens in one backbone forward")
         a1.set_ylabel("time / one token")

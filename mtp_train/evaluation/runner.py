@@ -320,5 +320,5 @@ def run_sampled(backbone, prompts: list[list[int]], cfg, run_mode, eos: list[int
 
 def _json_keys(curve: dict) -> dict:
     """The cost curve with string keys, as it reads back from eval_report.json."""
-    return {**curve, "costs": {str(n): c for n, c in curve["costs"].items()},
-            "spread": {str(n): v for n, v in curve["spread"].items()}}
+    return {**curve, **{key: {str(n): v for n, v in curve[key].items()}
+                        for key in ("costs", "raw", "spread") if key in curve}}
