@@ -70,7 +70,7 @@ def main(overrides: list[str]) -> None:
     print(f"\nCPU: {mach.get('cpu')} ({mach.get('threads')} threads, native bf16: {mach.get('native_bf16')})")
     print(f"backbone {report['backbone']}, dtype {dec.get('dtype')}, k={report['k']}, {hf['n_prompts']} prompts "
           f"({report.get('prompt_source')}), {report['max_new_tokens']} new tokens, {report.get('rounds')} rounds")
-    print(f"matmul layout (row buckets 1..128, L = F.linear, T = W @ x^T): {dec.get('matmul_layout')}")
+    print(f"matmul layout (row buckets 1..128, L = F.linear, T = W @ x^T, P = packed): {dec.get('matmul_layout')}")
     curve = dec.get("verify_costs") or {}
     if curve:
         print(f"verify cost, n tokens / 1 token ({curve['one_token_ms']:.1f} ms): "

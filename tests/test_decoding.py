@@ -369,8 +369,9 @@ def test_measured_layout_covers_every_weight_and_keeps_decoding_lossless(tiny_ba
     for m in (bb.model, heads):
         for lin in (x for x in m.modules() if type(x) is torch.nn.Linear):
             choice = plan.choices[MatmulPlan.key(lin.weight)]
-            assert len(choice) == len(ROW_BUCKETS) and choice[1] == "L"  # not measured: F.linear
-            assert {choice[0], choice[2]} <= {"L", "T", "P"}
+            four = ROW_BUCKETS.index(4)
+            assert len(choice) == len(ROW_BUCKETS) and choice[1] == choice[2] == "L"  # not measured: F.linear
+            assert {choice[0], choice[four]} <= {"L", "T", "P"}
     prompt = _prompts(1, seed=12)[0]
     assert decode(dec, prompt, 20, "verify").tokens == decode(Decoder(bb, eos_ids=[]), prompt, 20, "greedy").tokens
 

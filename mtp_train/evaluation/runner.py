@@ -146,7 +146,7 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     dec = Decoder(backbone, heads, eos_ids=eos)
     k = dec.k
     mm = measure_matmuls(dec)
-    log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T): %s",
+    log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T, P = packed): %s",
              "/".join(map(str, ROW_BUCKETS)), mm.describe())
     plan = plan_trees(dec, tree_stats, prompts[0], cfg) if k else {}
     costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
