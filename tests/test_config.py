@@ -100,7 +100,7 @@ def test_the_default_is_the_schema_recipe_not_the_demo(typed_cfg):
     user = typed_cfg("backbone=hf", "backbone.name=my-llm", "backbone.path=/models/llm")
     assert user.heads.draft_vocab is None and user.train.max_length is None
     demo = typed_cfg("experiment=smollm2_demo")
-    assert (demo.heads.draft_vocab, demo.train.data_use, demo.trainer["max_steps"]) == (8192, "mix", 250)
+    assert (demo.heads.draft_vocab, demo.train.data_use, demo.trainer["max_steps"]) == (4096, "mix", 250)
 
 
 def test_the_smoke_overlay_is_the_tiny_backbone_for_a_few_steps(typed_cfg):
@@ -109,7 +109,7 @@ def test_the_smoke_overlay_is_the_tiny_backbone_for_a_few_steps(typed_cfg):
     assert cfg.trainer["max_steps"] == 4
     assert typed_cfg("debug=smoke", "logger=csv").logger  # a command-line group choice still wins
     demo = typed_cfg("experiment=smollm2_demo", "debug=smoke")  # the demo's recipe, tiny and short
-    assert (demo.backbone.source, demo.heads.draft_vocab, demo.trainer["max_steps"]) == ("tiny", 8192, 4)
+    assert (demo.backbone.source, demo.heads.draft_vocab, demo.trainer["max_steps"]) == ("tiny", 4096, 4)
 
 
 @pytest.mark.parametrize("override", ["loss.name=mse", "loss.depth_weights=[1.0]", "train.batch_size=0",
