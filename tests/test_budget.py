@@ -137,6 +137,30 @@ def test_a_slow_machine_keeps_the_floor_and_the_cap_holds_on_a_fast_one():
         assert module.lr_shape.total == expected
 
 
+def test_a_floor_past_the_budget_widens_lightnings_max_time_and_one_that_fits_does_not():
+    import datetime
+
+    from lightning.pytorch.callbacks import Timer
+
+    from mtp_train.lit.budget import TimeBudget, backstop_s
+
+    for seconds, step_s, widened in ((0.0, 3.3, True), (600.0, 3.3, False)):
+        clock, trainer = Clock(), fake_trainer()
+        timer = Timer(duration=datetime.timedelta(seconds=backstop_s(seconds)), verbose=False)
+        trainer.callbacks = [timer]
+        module = SimpleNamespace(lr_shape=SimpleNamespace(total=1000))
+        budget = TimeBudget(seconds, min_steps=100, max_steps=1000, clock=clock)
+        budget.on_train_start(trainer, module)
+        steps = drive(budget, clock, trainer, module, step_s, 10_000)
+        if widened:  # the floor's 100 steps x 3.3 s: Timer's limit covers them at its own margin
+            assert steps == 100
+            assert timer._duration >= backstop_s(100 * step_s) - 1.0
+            assert timer._duration > clock.t  # it would not have fired before the floor ended
+        else:
+            assert steps > 100 and budget.floor_s is None
+            assert timer._duration == backstop_s(seconds)
+
+
 def test_the_plan_follows_a_machine_that_slows_down():
     from mtp_train.lit.budget import TimeBudget
 

@@ -13,8 +13,11 @@ and sets the schedule's length (`LrShape.total`) to it: the schedule runs over t
   the validations Lightning runs every trainer.val_check_interval steps and the one mtp-train runs
   after fitting are inside the budget.
 - The plan stays within [min_steps, max_steps]: a floor of steps however slow the machine, and
-  trainer.max_steps as a cap. Lightning's own max_time backstops it (mtp_train/pipeline/training.py)
-  and its min_steps keeps the floor.
+  trainer.max_steps as a cap. Lightning's own max_time backstops it (`backstop_s`,
+  mtp_train/pipeline/training.py) and its min_steps keeps the floor. Where the floor takes longer
+  than the budget (a slow machine, a deadline already spent), the backstop is widened to the
+  floor's predicted time: left at the budget's, Lightning's Timer signals a stop, and logs it, at
+  every step until min_steps lets it.
 - Its state (seconds spent, the plan, the measured rates) is saved in checkpoints, so a resumed run
   continues the same budget; `relative=True` (a deadline) gives a resumed run the time that is left
   now on top of what it has spent.
@@ -28,6 +31,11 @@ import time
 from lightning.pytorch.callbacks import Callback
 
 log = logging.getLogger(__name__)
+
+
+def backstop_s(seconds: float) -> float:
+    """Lightning's max_time around a plan of `seconds`: a quarter over it and a minute."""
+    return 1.25 * seconds + 60.0
 
 
 class TimeBudget(Callback):
@@ -46,6 +54,7 @@ class TimeBudget(Callback):
         self.val_s: float | None = None  # the last validation's seconds
         self.val_batches = 0
         self.planned: int | None = None
+        self.floor_s: float | None = None  # the floor's predicted seconds, where they exceed the budget
         self.revisions: list[tuple[int, int]] = []  # (at step, planned steps)
         self._mark = self._val_mark = None
         self._seen = 0
@@ -136,6 +145,21 @@ class TimeBudget(Callback):
             self.planned = strategy.broadcast(self.planned, 0)
         if self.planned is not None:
             self._set(pl_module, self.planned)
+        self._widen_timer(trainer)
+
+    def _widen_timer(self, trainer) -> None:
+        """Raise Lightning's Timer (trainer.max_time) to the floor's predicted time where the floor
+        outlasts the budget: min_steps overrides its stop anyway, but it would say so every step."""
+        if self.floor_s is None:
+            return
+        from lightning.pytorch.callbacks import Timer
+
+        for cb in getattr(trainer, "callbacks", None) or []:
+            # Timer keeps its limit in _duration (seconds) and has no setter for it
+            if isinstance(cb, Timer) and cb._duration is not None and cb._duration < backstop_s(self.floor_s):
+                log.info("max_time widened from %.1f to %.1f min: train.min_steps=%d takes about %.1f min here",
+                         cb._duration / 60, backstop_s(self.floor_s) / 60, self.min_steps, self.floor_s / 60)
+                cb._duration = backstop_s(self.floor_s)
 
     def plan(self, step: int) -> int:
         sps, val = self.step_seconds(), self.validation_seconds()
@@ -145,6 +169,12 @@ class TimeBudget(Callback):
         per_step = sps + (val / self.val_interval if self.val_interval else 0.0)
         more = int(left_s / per_step) if left_s > 0 and per_step > 0 else 0
         planned = min(self.max_steps, max(self.min_steps, step + more))
+        need = self.spent + max(0, planned - step) * per_step + val
+        if planned == self.min_steps and need > self.seconds:
+            if self.floor_s is None:
+                log.info("time budget %.1f min: the floor of %d steps takes about %.1f min at %.2f s a step; "
+                         "training runs the floor", self.seconds / 60, self.min_steps, need / 60, sps)
+            self.floor_s = need
         if planned != self.planned:
             self.revisions.append((step, planned))
             if self.planned is None:

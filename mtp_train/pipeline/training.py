@@ -355,7 +355,9 @@ def budget_trainer_kwargs(cfg: Config, budget, resuming: bool) -> dict:
     if cfg.trainer.get("max_time") is None and not (budget.relative and resuming):
         import datetime
 
-        out["max_time"] = datetime.timedelta(seconds=1.25 * budget.seconds + 60)
+        from mtp_train.lit.budget import backstop_s
+
+        out["max_time"] = datetime.timedelta(seconds=backstop_s(budget.seconds))
     return out
 
 
