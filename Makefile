@@ -23,7 +23,8 @@ DEMO_MINUTES ?= 30
 DEMO_MAX_STEPS ?= 5000
 DEMO_DEADLINE := $(shell echo $$(( $$(date +%s) + $(DEMO_MINUTES) * 60 )))
 DEMO_BUDGET := budget.deadline=$(DEMO_DEADLINE)
-# what mtp-eval decodes; mtp-train is given the same, since it reserves the evaluation's minutes from it
+# what mtp-eval decodes; mtp-train is given the same, since it reserves the evaluation's minutes from it, and
+# mtp-clp, which under the deadline calibrates only the predictors of modes the evaluation will decode
 DEMO_EVAL := "eval.modes=[verify,tree,clp]" eval.prompt_source=unseen
 
 .PHONY: demo test test-fast slurm lint venv clean-venv engine-env serve-check serve-demo
@@ -56,7 +57,8 @@ demo: $(STAMP)
 	$(VENV)/bin/mtp-prep experiment=smollm2_demo stage=cache $(DEMO_ARGS)
 	$(VENV)/bin/mtp-train experiment=smollm2_demo hydra.run.dir=runs/demo/train $(DEMO_BUDGET) $(DEMO_EVAL) \
 	  trainer.max_steps=$(DEMO_MAX_STEPS) $(DEMO_ARGS)
-	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.train_run=runs/demo/train hydra.run.dir=runs/demo/clp $(DEMO_ARGS)
+	$(VENV)/bin/mtp-clp experiment=smollm2_demo clp.train_run=runs/demo/train hydra.run.dir=runs/demo/clp \
+	  $(DEMO_BUDGET) $(DEMO_EVAL) $(DEMO_ARGS)
 	$(VENV)/bin/mtp-eval experiment=smollm2_demo eval.train_run=runs/demo/train eval.clp_run=runs/demo/clp \
 	  $(DEMO_EVAL) hydra.run.dir=runs/demo/eval $(DEMO_BUDGET) $(DEMO_ARGS)
 	$(VENV)/bin/mtp-report runs/demo

@@ -261,6 +261,44 @@ def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(type
     assert decodes_after_train(typed_cfg(*FAST)) == {}
 
 
+def test_calibration_is_priced_for_the_predictors_the_evaluation_decodes(typed_cfg):
+    from mtp_train.pipeline.budget import calibration_decodes, decoded_kinds, decodes_after_train
+
+    base = (*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]")
+    both = typed_cfg(*base, "eval.modes=[verify,clp,gate]")
+    assert decoded_kinds(both) == ["clp", "gate"]
+    assert decodes_after_train(both)["clp"] == calibration_decodes(both, ["clp", "gate"]) == 3 * (1 + 2 * 2)
+    assert decoded_kinds(typed_cfg(*base, "eval.modes=[verify,clp+verify]")) == ["clp"]
+    none = typed_cfg(*base, "eval.modes=[verify,tree]")
+    assert decoded_kinds(none) == [] and decodes_after_train(none)["clp"] == 0
+
+
+def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_decode(typed_cfg):
+    """The calibration's decodes are spent only where the evaluation, sized in the time they leave,
+    keeps the predictor's mode; otherwise those minutes go to the evaluation."""
+    from mtp_train.pipeline.budget import (
+        DECODE_OVERHEAD,
+        Rate,
+        calibration_decodes,
+        eval_seconds,
+        kinds_to_calibrate,
+    )
+
+    cfg = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]",
+                    "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
+                    "eval.sampling.temperatures=[0]")
+    rate = Rate(prefill_s=0.3, token_s=0.1)
+    calib = calibration_decodes(cfg, ["clp"]) * rate.decode_s(48) * DECODE_OVERHEAD
+    need = eval_seconds(cfg, rate)
+    kinds, why = kinds_to_calibrate(cfg, rate, need + calib + 1)
+    assert kinds == ["clp"] and set(why) == {"gate"} and "decodes no mode of it" in why["gate"]
+    kinds, why = kinds_to_calibrate(cfg, rate, need + calib - 5)  # the evaluation would cut the clp mode
+    assert kinds == [] and "cuts their modes" in why["clp"] and "decodes no mode" in why["gate"]
+    # a mode list without span modes calibrates nothing, however much time there is
+    kinds, why = kinds_to_calibrate(typed_cfg(*FAST, "eval.modes=[verify,tree]"), rate, 1e6)
+    assert kinds == [] and set(why) == {"clp", "gate"}
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize("overrides,key", [
     (["train.time_budget_min=-1"], "train.time_budget_min"),

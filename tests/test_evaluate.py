@@ -328,6 +328,15 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert any("not calibrated" in c for c in timed["sized_to_deadline"]["cut"]) is not calibrated
     sized = timed["sized_to_deadline"]  # "as asked" is priced before the drop: clp's decodes included
     assert (sized["predicted_full_s"] > sized["predicted_s"]) is not calibrated
+    # under a deadline mtp-clp calibrates only the predictors of modes the evaluation decodes (the gate's
+    # thresholds would be decodes nothing reads), and says why
+    dl = run_clp(_eval_cfg(root, *clp_args, "eval.modes=[verify,clp]", f"budget.deadline={time.time() + 3600}",
+                           f"paths.output_dir={root}/clp_dl"))
+    assert set(dl["fit"]) == {"clp", "gate"} and not dl["calibrate"]["clp"]["skipped"]
+    assert "decodes no mode" in dl["calibrate"]["gate"]["not_calibrated"]
+    gate = json.loads((root / "clp_dl" / "gate" / "predictor.json").read_text())
+    assert gate["calibrated"] is False and gate["threshold"] == 1.0 and "calibration" not in gate
+    assert "calibration" in json.loads((root / "clp_dl" / "clp" / "predictor.json").read_text())
     # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp_run={root}/clp",
                                 "eval.span_threshold=0.05"))
@@ -730,6 +739,25 @@ def test_rounds_rotate_the_order_so_no_mode_always_runs_first(trained_heads, mon
         assert d["nondeterministic"] is False
     assert report["rounds"] == 2 and report["details"]["hf_generate"]["speedup_rounds"] == [1.0, 1.0]
     assert outputs["verify"] == outputs["greedy"] and len(outputs["hf_generate"]) == 3
+
+
+@pytest.mark.integration
+def test_quick_probes_time_the_layouts_and_the_cost_curve_in_fewer_rounds(trained_heads, monkeypatch):
+    import mtp_train.decoding.costs as costs_mod
+    from mtp_train.evaluation.runner import QUICK_PROBE_ROUNDS, run_modes
+
+    cfg, backbone, heads, prompts = _tiny_run(trained_heads)
+    reps, measure = [], costs_mod.measure_matmuls
+
+    def spy(dec, reps_=None, **kw):
+        reps.append(kw.get("reps", reps_))
+        return measure(dec, **kw)
+
+    monkeypatch.setattr(costs_mod, "measure_matmuls", lambda dec, **kw: spy(dec, **kw))
+    quick, _ = run_modes(backbone, heads, prompts[:1], cfg.eval, quick_probes=True)
+    full, _ = run_modes(backbone, heads, prompts[:1], cfg.eval)
+    assert reps == [QUICK_PROBE_ROUNDS, None]  # None: measure_matmuls' own default
+    assert quick["decoder"]["verify_costs"]["rounds"] == QUICK_PROBE_ROUNDS < full["decoder"]["verify_costs"]["rounds"]
 
 
 @pytest.mark.integration

@@ -12,12 +12,12 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
+def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7) -> dict:
     """Measure this machine's verify cost curve and drafting costs, and pick: the static tree with
     the most expected committed tokens per unit of step time (`tree`), a dynamic tree of the same
     node count (`dynamic`), the cost/acceptance Pareto front (adaptive, cost policy) and one tree per
     entropy bucket (adaptive, entropy policy: EntMTP). Without rank statistics the chain stands in
-    for the static tree and the entropy policy uses chains."""
+    for the static tree and the entropy policy uses chains. `rounds`: the cost curve's timing rounds."""
     from mtp_train.decoding import DynamicTree
     from mtp_train.decoding.costs import draft_cost, verify_costs
     from mtp_train.trees import TreeShape, expected_accepted, grow_tree, pareto_front
@@ -31,7 +31,7 @@ def plan_trees(dec, stats, prompt: list[int], cfg) -> dict:
         if shape.n:
             shapes.setdefault(shape.paths, shape)
     sizes = sorted({1, 2, 4, 8, 16, 32, 64} | set(range(1, k + 2)) | {s.n + 1 for s in shapes.values()})
-    curve = verify_costs(dec, sizes=tuple(sizes))
+    curve = verify_costs(dec, sizes=tuple(sizes), rounds=rounds)
     one = curve["one_token_ms"] / 1e3
     draft_dtypes = {}
     for dtype in dict.fromkeys((dec.draft_dtype, torch.bfloat16)):  # drafts need not be exact

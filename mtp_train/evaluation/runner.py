@@ -130,12 +130,17 @@ def sampled_that_fit(mean_s: dict[str, float], names: list[str], decodes: int, t
                   "cut": [t for t in temperatures if t not in keep]}
 
 
+QUICK_PROBE_ROUNDS = 3  # the layout and cost-curve timing rounds when a deadline has shortened the decodes
+
+
 def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None,
-              tree_stats=None, deadline: float | None = None) -> dict:
+              tree_stats=None, deadline: float | None = None, quick_probes: bool = False) -> dict:
     """Decode every prompt with HF generate and each mode in cfg.modes, in cfg.rounds timing rounds;
     returns the report dict and round 1's outputs per mode. With a `deadline` (Unix seconds), the
     sampled runs are decoded only while the greedy decodes' measured time says they fit before it
-    (report["sampled_fit"] says what was cut)."""
+    (report["sampled_fit"] says what was cut). quick_probes: the matmul layouts and the verify cost
+    curve are timed in QUICK_PROBE_ROUNDS rounds instead of 6 and 7 (a deadline that shortened the
+    decodes: on a 3x slower machine the full probes take about 3 minutes, the decodes' own time)."""
     from tqdm.auto import tqdm
 
     from mtp_train.decoding import ROW_BUCKETS, Decoder
@@ -145,10 +150,11 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     eos = eos_ids(backbone.model, tok)
     dec = Decoder(backbone, heads, eos_ids=eos)
     k = dec.k
-    mm = measure_matmuls(dec)
+    probe_rounds = {"reps": QUICK_PROBE_ROUNDS} if quick_probes else {}
+    mm = measure_matmuls(dec, **probe_rounds)
     log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T, P = packed): %s",
              "/".join(map(str, ROW_BUCKETS)), mm.describe())
-    plan = plan_trees(dec, tree_stats, prompts[0], cfg) if k else {}
+    plan = plan_trees(dec, tree_stats, prompts[0], cfg, rounds=QUICK_PROBE_ROUNDS if quick_probes else 7) if k else {}
     costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
 
     def run_mode(name: str, prompt: list[int], max_new_tokens: int | None = None, warpers=None, seed: int = 0):

@@ -44,12 +44,28 @@ STAGE_FIXED_S = 25.0  # start-up and loading per stage at REFERENCE_TOKEN_S
 REFERENCE_TOKEN_S = 0.05  # HF generate's seconds per token (SmolLM2-135M, bf16, AMX Xeon)
 
 
+def decoded_kinds(cfg: Config) -> list[str]:
+    """The span predictors (clp.kinds) whose modes eval.modes decodes: the ones mtp-clp calibrates
+    under a deadline (a threshold no decode reads is minutes the evaluation can use)."""
+    from mtp_train.evaluation.modes import MODES
+
+    return [k for k in cfg.clp.kinds if any(MODES[m].predictor == k for m in cfg.eval.modes)]
+
+
+def calibration_decodes(cfg: Config, kinds: list[str]) -> int:
+    """mtp-clp's calibration decodes of eval.max_new_tokens for `kinds`: one greedy reference per
+    prompt, shared, and one decode per prompt and threshold for each kind."""
+    if not kinds:
+        return 0
+    return cfg.clp.calib_prompts * (1 + len(cfg.clp.thresholds) * len(kinds))
+
+
 def decodes_after_train(cfg: Config) -> dict[str, int]:
     """How many decodes of eval.max_new_tokens each later stage runs."""
     out = {}
     e = cfg.eval
     if "clp" in cfg.budget.after_train:
-        out["clp"] = cfg.clp.calib_prompts * (len(cfg.clp.thresholds) + 1)  # + the greedy reference
+        out["clp"] = calibration_decodes(cfg, decoded_kinds(cfg))
     if "eval" in cfg.budget.after_train:
         modes = 1 + len(e.modes)  # HF generate + each mode
         sampled = (1 + len(e.sampled_modes())) * len(e.sampling.temperatures_sampled) * e.sampling.samples
@@ -157,6 +173,24 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
              "+".join(after["decodes"]) or "nothing", after["total_s"] / 60, 1 / after["token_s"], after["prefill_s"],
              len(prompt), record["dtype"], record["cpu"], max(0.0, seconds) / 60)
     return max(0.0, seconds), record
+
+
+def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float) -> tuple[list[str], dict[str, str]]:
+    """budget.deadline: the span predictors mtp-clp calibrates with `left_s` seconds to the deadline,
+    and why each other one of clp.kinds is not. Only those whose mode eval.modes decodes, and none
+    where the evaluation, sized as mtp-eval will size it (`size_eval`) in the time their calibration
+    leaves, would cut those modes: their decodes would be spent on a threshold nothing reads."""
+    kinds = decoded_kinds(cfg)
+    why = {k: f"eval.modes {list(cfg.eval.modes)} decodes no mode of it" for k in cfg.clp.kinds if k not in kinds}
+    if not kinds:
+        return [], why
+    seconds = calibration_decodes(cfg, kinds) * rate.decode_s(cfg.eval.max_new_tokens) * DECODE_OVERHEAD
+    sized, _ = size_eval(cfg, rate, left_s - seconds, defer_sampled=True)
+    if set(decoded_kinds(sized)) != set(kinds):
+        cut = (f"calibrating {kinds} ({seconds / 60:.1f} min predicted) would leave the evaluation "
+               f"{(left_s - seconds) / 60:.1f} min, in which it cuts their modes")
+        return [], {**why, **dict.fromkeys(kinds, cut)}
+    return kinds, why
 
 
 MIN_EVAL_TOKENS = 16  # sizing never shortens the decodes below this many new tokens

@@ -287,6 +287,13 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
             results[kind] = {"threshold": meta["threshold"], "skipped": True}
         else:
             todo.append((kind, pred, meta, key))
+    if todo and cfg.budget.deadline is not None:
+        chosen, why = deadline_kinds(cfg, backbone, prompts)
+        for kind, _, meta, _ in [t for t in todo if t[0] not in chosen]:
+            log.warning("budget.deadline: %s not calibrated (its threshold stays %.2f): %s", kind,
+                        meta.get("threshold", 1.0), why[kind])
+            results[kind] = {"threshold": meta.get("threshold", 1.0), "skipped": True, "not_calibrated": why[kind]}
+        todo = [t for t in todo if t[0] in chosen]
     if not todo:
         return results
     reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
@@ -307,6 +314,23 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
         results[kind] = {"threshold": meta["threshold"], "skipped": False}
         log.info("%s: threshold = %.2f%s", kind, meta["threshold"], "" if best else " (no threshold met the bounds)")
     return results
+
+
+def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]]) -> tuple[list[str], dict[str, str]]:
+    """budget.deadline: the predictors worth calibrating before it (budget.kinds_to_calibrate), priced
+    at HF generate's rate as mtp-train measured it for this pipeline (heads.json), or measured here
+    on a calibration prompt when it did not."""
+    from mtp_train.artifacts import read_json
+    from mtp_train.pipeline.budget import Rate, check_deadline, decode_rate, kinds_to_calibrate
+
+    check_deadline(cfg.budget.deadline)
+    meta = read_json(Path(cfg.clp.train_run) / layout.HEADS_META) or {}
+    probe = (((meta.get("recipe") or {}).get("budget") or {}).get("after_train")) or {}
+    if probe.get("token_s") and probe.get("prefill_s"):
+        rate = Rate(prefill_s=float(probe["prefill_s"]), token_s=float(probe["token_s"]))
+    else:
+        rate = decode_rate(backbone, sorted(prompts, key=len)[len(prompts) // 2], backbone.model.dtype)
+    return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min)
 
 
 def run_clp(cfg: Config) -> dict:

@@ -253,7 +253,7 @@ def run_eval(cfg: Config) -> dict:
 def drop_uncalibrated(cfg: Config, policies: dict) -> tuple[Config, list[str]]:
     """Under budget.deadline: cfg without the modes whose span predictor is not calibrated (mtp-clp
     found no threshold within the quality bounds and saved 1.0, which commits no draft beyond what
-    verification would), and what was dropped. Their decodes would be greedy's plus the predictor's
+    verification would, or its own deadline sizing left it uncalibrated), and what was dropped. Their decodes would be greedy's plus the predictor's
     cost, minutes the sampled runs can use; the report still lists the predictor (`policies` is only read).
     A threshold given by hand (eval.span_threshold) is decoded, and the last mode is never dropped."""
     import dataclasses
@@ -271,7 +271,8 @@ def drop_uncalibrated(cfg: Config, policies: dict) -> tuple[Config, list[str]]:
                                        temperatures=sampling.temperatures if left else
                                        [t for t in sampling.temperatures if t == 0])
     log.warning("budget.deadline: modes %s not decoded: their span predictor is not calibrated (no threshold met "
-                "the quality bounds), so they would decode as greedy does", drop)
+                "the quality bounds, or mtp-clp's deadline left no time to calibrate it), so they would decode as "
+                "greedy does", drop)
     return (dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, modes=keep, sampling=sampling)),
             [f"modes {drop} (span predictor not calibrated: would decode as greedy)"])
 
@@ -350,8 +351,9 @@ def _run_eval(cfg: Config) -> dict:
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     deadline = None if sized is None else cfg.budget.deadline - 60 * cfg.budget.margin_min
+    shortened = sized is not None and any(c.startswith("max_new_tokens") for c in sized["cut"])
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
-                                tree_stats=stats, deadline=deadline)
+                                tree_stats=stats, deadline=deadline, quick_probes=shortened)
     if sized is not None and (fit := report.pop("sampled_fit", None)) is not None:
         sized["sampled_fit"] = fit
         if fit["cut"]:
