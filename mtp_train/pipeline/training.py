@@ -495,7 +495,9 @@ def _run_train(cfg: Config) -> dict:
             trainer.fit(module, datamodule=dm, ckpt_path=str(last) if resuming else None, **extra)
         # last.ckpt holds the final weights, whatever step the last periodic save was at (an export
         # from it must give the heads written below, not older ones)
-        trainer.save_checkpoint(str(layout.last_checkpoint(run_dir)))
+        # with the optimizer's and callbacks' states (a resume continues from it; saying so keeps
+        # Lightning from logging that it defaulted to it)
+        trainer.save_checkpoint(str(layout.last_checkpoint(run_dir)), weights_only=False)
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()}
     with gathered(module, trainer):
         if trainer.is_global_zero:  # one writer; the other ranks return the same (reduced) metrics
