@@ -151,6 +151,12 @@ def test_a_floor_past_the_budget_widens_lightnings_max_time_and_one_that_fits_do
         module = SimpleNamespace(lr_shape=SimpleNamespace(total=1000))
         budget = TimeBudget(seconds, min_steps=100, max_steps=1000, clock=clock)
         budget.on_train_start(trainer, module)
+        drive(budget, clock, trainer, module, step_s, 1)
+        # a budget spent before the steps are timed: the floor is guessed from the first step at once
+        if widened:
+            assert timer._duration >= backstop_s(100 * step_s) - 1.0
+        else:
+            assert timer._duration == backstop_s(seconds)
         steps = drive(budget, clock, trainer, module, step_s, 10_000)
         if widened:  # the floor's 100 steps x 3.3 s: Timer's limit covers them at its own margin
             assert steps == 100

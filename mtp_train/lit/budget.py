@@ -102,6 +102,8 @@ class TimeBudget(Callback):
         elif self.planned is None and self.spent >= self.seconds:  # spent before it could measure
             self.planned = min(self.max_steps, max(self.min_steps, step))
             self.revisions.append((step, self.planned))
+            if self.planned > step:  # the floor's time, guessed from the (slowest, first) steps until they are timed
+                self.floor_s = self.spent / max(1, self._seen) * self.planned
         self._sync(trainer, pl_module)
         if self.planned is not None and step >= self.planned:
             trainer.should_stop = True
