@@ -18,8 +18,11 @@ READS: dict[str, tuple[str, ...]] = {
     "prep": ("seed", "stage", "force", "paths", "backbone", "data", "heads.type", "heads.aux_layers",
              "train.data_use", "train.max_length", "budget.deadline", "budget.distill_share"),
     "train": ("seed", "stage", "force", "paths", "backbone", "data", "heads", "loss", "train", "budget"),  # + eval with train.eval_after
-    "clp": ("seed", "stage", "force", "paths", "backbone", "data", "clp", "eval.max_new_tokens", "train.data_use",
-            "train.max_length", "train.use_cache"),  # calibration decodes eval.max_new_tokens
+    # calibration decodes eval.max_new_tokens; under budget.deadline it is sized by the evaluation's modes,
+    # prompts, rounds and sampled runs (pipeline/budget.py, kinds_to_calibrate)
+    "clp": ("seed", "stage", "force", "paths", "backbone", "data", "clp", "eval.max_new_tokens", "eval.modes",
+            "eval.n_prompts", "eval.rounds", "eval.sampling", "train.data_use", "train.max_length",
+            "train.use_cache", "budget"),
     "eval": ("seed", "force", "paths", "backbone", "data", "eval", "budget"),
 }
 # the commands without stages of their own (mtp-prep and mtp-clp check theirs): `stage` may only be all

@@ -144,27 +144,53 @@ def test_a_floor_past_the_budget_widens_lightnings_max_time_and_one_that_fits_do
 
     from mtp_train.lit.budget import TimeBudget, backstop_s
 
-    for seconds, step_s, widened in ((0.0, 3.3, True), (600.0, 3.3, False)):
+    # (budget s, widened): spent before the steps are timed (guessed from the first step at once); spent
+    # later, at the first plan (step 10: 33 s of 60); a budget the floor fits in
+    for seconds, widened in ((0.0, True), (60.0, True), (600.0, False)):
+        step_s = 3.3
         clock, trainer = Clock(), fake_trainer()
         timer = Timer(duration=datetime.timedelta(seconds=backstop_s(seconds)), verbose=False)
         trainer.callbacks = [timer]
         module = SimpleNamespace(lr_shape=SimpleNamespace(total=1000))
-        budget = TimeBudget(seconds, min_steps=100, max_steps=1000, clock=clock)
+        budget = TimeBudget(seconds, min_steps=100, max_steps=1000, clock=clock, widen_timer=True)
         budget.on_train_start(trainer, module)
-        drive(budget, clock, trainer, module, step_s, 1)
-        # a budget spent before the steps are timed: the floor is guessed from the first step at once
+        drive(budget, clock, trainer, module, step_s, 10)
         if widened:
             assert timer._duration >= backstop_s(100 * step_s) - 1.0
         else:
             assert timer._duration == backstop_s(seconds)
         steps = drive(budget, clock, trainer, module, step_s, 10_000)
         if widened:  # the floor's 100 steps x 3.3 s: Timer's limit covers them at its own margin
-            assert steps == 100
+            assert steps == 100 and budget.summary(steps)["floor_s"] == pytest.approx(100 * step_s, rel=0.05)
             assert timer._duration >= backstop_s(100 * step_s) - 1.0
-            assert timer._duration > clock.t  # it would not have fired before the floor ended
         else:
             assert steps > 100 and budget.floor_s is None
             assert timer._duration == backstop_s(seconds)
+
+
+def test_a_max_time_the_user_set_is_never_widened_and_the_floor_survives_a_checkpoint():
+    import datetime
+
+    from lightning.pytorch.callbacks import Timer
+
+    from mtp_train.lit.budget import TimeBudget, backstop_s
+
+    clock, trainer = Clock(), fake_trainer()
+    timer = Timer(duration=datetime.timedelta(seconds=90), verbose=False)  # trainer.max_time=00:00:01:30
+    trainer.callbacks = [timer]
+    module = SimpleNamespace(lr_shape=SimpleNamespace(total=1000))
+    budget = TimeBudget(0.0, min_steps=100, max_steps=1000, clock=clock)  # widen_timer off: not our Timer
+    budget.on_train_start(trainer, module)
+    drive(budget, clock, trainer, module, 3.3, 30)
+    assert budget.floor_s is not None and timer._duration == 90
+    # resumed: the floor comes back with the state, and our own backstop is widened before the first step
+    again = TimeBudget(0.0, min_steps=100, max_steps=1000, clock=clock, widen_timer=True)
+    again.load_state_dict(budget.state_dict())
+    ours = Timer(duration=datetime.timedelta(seconds=backstop_s(0.0)), verbose=False)
+    resumed = fake_trainer(step=30)
+    resumed.callbacks = [ours]
+    again.on_train_start(resumed, module)
+    assert again.floor_s == budget.floor_s and ours._duration == pytest.approx(backstop_s(budget.floor_s))
 
 
 def test_the_plan_follows_a_machine_that_slows_down():
@@ -303,6 +329,18 @@ def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_dec
     # a mode list without span modes calibrates nothing, however much time there is
     kinds, why = kinds_to_calibrate(typed_cfg(*FAST, "eval.modes=[verify,tree]"), rate, 1e6)
     assert kinds == [] and set(why) == {"clp", "gate"}
+    # with too little time for the evaluation's span modes anyway, calibration is not blamed
+    kinds, why = kinds_to_calibrate(cfg, rate, 10.0)
+    assert kinds == [] and "whatever calibration takes" in why["clp"]
+    # only what is pending is priced: the gate alone, where clp is calibrated already
+    both = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]",
+                     "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp,gate]",
+                     "eval.sampling.temperatures=[0]")
+    one = calibration_decodes(both, ["gate"]) * rate.decode_s(48) * DECODE_OVERHEAD
+    two = calibration_decodes(both, ["clp", "gate"]) * rate.decode_s(48) * DECODE_OVERHEAD
+    left = eval_seconds(both, rate) + (one + two) / 2  # enough for one kind's thresholds, not two
+    assert kinds_to_calibrate(both, rate, left, pending=["gate"]) == (["gate"], {})
+    assert kinds_to_calibrate(both, rate, left)[0] == []
 
 
 @pytest.mark.bad_input

@@ -157,8 +157,13 @@ def test_a_stage_is_refused_by_the_commands_that_have_none(compose_cfg, command)
     validate(compose_cfg("backbone=tiny", "stage=fit"), command="clp")  # mtp-clp's stages are its own
 
 
-def test_mtp_clp_judges_only_the_eval_key_its_calibration_reads(compose_cfg):
-    validate(compose_cfg("backbone=tiny", "eval.rounds=0"), command="clp")  # a timing setting it never uses
+def test_mtp_clp_judges_only_the_eval_keys_its_calibration_reads(compose_cfg):
+    validate(compose_cfg("backbone=tiny", "eval.warmup=-1"), command="clp")  # a timing setting it never uses
+    # what its deadline sizing prices: the evaluation's modes, prompts, rounds and sampled runs
+    with pytest.raises(ConfigError, match=r"^eval.rounds"):
+        validate(compose_cfg("backbone=tiny", "eval.rounds=0"), command="clp")
+    with pytest.raises(ConfigError, match=r"^budget.margin_min"):
+        validate(compose_cfg("backbone=tiny", "budget.margin_min=-1"), command="clp")
 
 
 def test_mtp_train_judges_eval_keys_only_when_it_decodes_after_training(compose_cfg):

@@ -337,6 +337,16 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     gate = json.loads((root / "clp_dl" / "gate" / "predictor.json").read_text())
     assert gate["calibrated"] is False and gate["threshold"] == 1.0 and "calibration" not in gate
     assert "calibration" in json.loads((root / "clp_dl" / "clp" / "predictor.json").read_text())
+    # a predictor calibrated for other settings, then left uncalibrated by the deadline, loses that
+    # threshold (mtp-eval would decode it as calibrated)
+    assert "calibration" in json.loads((root / "clp" / "clp" / "predictor.json").read_text())
+    skipped = run_clp(_eval_cfg(root, *clp_args[:-1], "clp.thresholds=[0.7]", f"clp.train_run={root}/train",
+                                "stage=calibrate", "eval.modes=[verify]", f"budget.deadline={time.time() + 3600}",
+                                f"paths.output_dir={root}/clp"))
+    assert all(r["skipped"] and r["not_calibrated"] for r in skipped["calibrate"].values())
+    for kind in ("clp", "gate"):
+        meta = json.loads((root / "clp" / kind / "predictor.json").read_text())
+        assert meta["calibrated"] is False and meta["threshold"] == 1.0 and "calibration" not in meta
     # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp_run={root}/clp",
                                 "eval.span_threshold=0.05"))

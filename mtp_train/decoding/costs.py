@@ -32,8 +32,8 @@ def measure_matmuls(dec, reps: int = 6, context: int = 128, buckets=ROW_BUCKETS)
     included) with every linear in each layout of matmul.LAYOUTS (`F.linear`, `W @ x^T`, and
     oneDNN's packed weights where this CPU can pack them), the layouts back to back in a rotating
     order, and route that bucket through the layout with the lowest median ratio to F.linear's time
-    in the same round (`reps` rounds for up to 16 rows, half as many above: the decoder's steps are
-    mostly small; one warm-up round first). Heads and draft projections follow the same choice; the
+    in the same round (`reps` rounds for up to 16 rows, half as many above but at least 2: the
+    decoder's steps are mostly small; one warm-up round first). Heads and draft projections follow the same choice; the
     packed copies are kept only where chosen."""
     from transformers import DynamicCache
 
@@ -53,7 +53,7 @@ def measure_matmuls(dec, reps: int = 6, context: int = 128, buckets=ROW_BUCKETS)
             if rows not in buckets:
                 continue
             ratios = {t: [] for t in layouts}
-            for r in range(1 + (reps if rows <= 16 else max(1, reps // 2))):
+            for r in range(1 + (reps if rows <= 16 else max(2, reps // 2))):
                 times = {}
                 for t in _rotated(layouts, r):
                     with routed_linears(plans[t], *mods):

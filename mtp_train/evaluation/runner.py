@@ -139,8 +139,9 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     returns the report dict and round 1's outputs per mode. With a `deadline` (Unix seconds), the
     sampled runs are decoded only while the greedy decodes' measured time says they fit before it
     (report["sampled_fit"] says what was cut). quick_probes: the matmul layouts and the verify cost
-    curve are timed in QUICK_PROBE_ROUNDS rounds instead of 6 and 7 (a deadline that shortened the
-    decodes: on a 3x slower machine the full probes take about 3 minutes, the decodes' own time)."""
+    curve are timed in QUICK_PROBE_ROUNDS rounds instead of 6 and 7 (the layouts above 16 rows in 2
+    instead of 3), for a deadline that shortened the decodes: on a 3x slower machine the full probes
+    took about 3 minutes, as long as the decodes themselves."""
     from tqdm.auto import tqdm
 
     from mtp_train.decoding import ROW_BUCKETS, Decoder
@@ -154,7 +155,7 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     mm = measure_matmuls(dec, **probe_rounds)
     log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T, P = packed): %s",
              "/".join(map(str, ROW_BUCKETS)), mm.describe())
-    plan = plan_trees(dec, tree_stats, prompts[0], cfg, rounds=QUICK_PROBE_ROUNDS if quick_probes else 7) if k else {}
+    plan = plan_trees(dec, tree_stats, prompts[0], cfg, **({"rounds": QUICK_PROBE_ROUNDS} if quick_probes else {})) if k else {}
     costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
 
     def run_mode(name: str, prompt: list[int], max_new_tokens: int | None = None, warpers=None, seed: int = 0):

@@ -17,7 +17,7 @@ and sets the schedule's length (`LrShape.total`) to it: the schedule runs over t
   mtp_train/pipeline/training.py) and its min_steps keeps the floor. Where the floor takes longer
   than the budget (a slow machine, a deadline already spent), the backstop is widened to the
   floor's predicted time: left at the budget's, Lightning's Timer signals a stop, and logs it, at
-  every step until min_steps lets it.
+  every step until min_steps lets it. A max_time the user set (trainer.max_time) is never widened.
 - Its state (seconds spent, the plan, the measured rates) is saved in checkpoints, so a resumed run
   continues the same budget; `relative=True` (a deadline) gives a resumed run the time that is left
   now on top of what it has spent.
@@ -42,12 +42,13 @@ class TimeBudget(Callback):
     WINDOW = 100  # steps of different lengths (train.length_window) average out over this many
     def __init__(self, seconds: float, min_steps: int, max_steps: int, val_interval: int | None = None,
                  measure: int = 8, skip: int = 2, revise: int = 25, relative: bool = False,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, widen_timer: bool = False):
         self.seconds = float(seconds)
         self.min_steps, self.max_steps = int(min_steps), int(max_steps)
         self.val_interval = val_interval if val_interval and val_interval > 0 else None
         self.measure, self.skip, self.revise, self.relative = measure, skip, revise, relative
         self.clock = clock
+        self.widen_timer = widen_timer  # Lightning's Timer is the backstop set from this budget, not a user's max_time
         self.spent = 0.0  # seconds of training steps and validations, across resumes
         self.train_s, self.train_steps = 0.0, 0  # timed steps (the first `skip` of a process are not)
         self.recent: list[float] = []  # the last WINDOW timed steps' seconds: the rate plans use
@@ -65,13 +66,15 @@ class TimeBudget(Callback):
 
     def state_dict(self) -> dict:
         return {"spent": self.spent, "train_s": self.train_s, "train_steps": self.train_steps,
-                "recent": list(self.recent), "val_s": self.val_s, "planned": self.planned, "revisions": [list(r) for r in self.revisions]}
+                "recent": list(self.recent), "val_s": self.val_s, "planned": self.planned,
+                "floor_s": self.floor_s, "revisions": [list(r) for r in self.revisions]}
 
     def load_state_dict(self, state: dict) -> None:
         self.spent = float(state.get("spent", 0.0))
         self.train_s, self.train_steps = float(state.get("train_s", 0.0)), int(state.get("train_steps", 0))
         self.recent = [float(x) for x in state.get("recent", [])]
         self.val_s, self.planned = state.get("val_s"), state.get("planned")
+        self.floor_s = state.get("floor_s")
         self.revisions = [tuple(r) for r in state.get("revisions", [])]
         if self.relative:  # a deadline: the time left now comes on top of what was spent before
             self.seconds += self.spent
@@ -86,6 +89,7 @@ class TimeBudget(Callback):
             self.val_batches = 0
         if self.planned is not None:  # resumed: the schedule's state already holds it; keep them equal
             self._set(pl_module, self.planned)
+        self._widen_timer(trainer)  # resumed past a floor that outlasts the budget: before the Timer's first check
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = self.clock()
@@ -152,7 +156,7 @@ class TimeBudget(Callback):
     def _widen_timer(self, trainer) -> None:
         """Raise Lightning's Timer (trainer.max_time) to the floor's predicted time where the floor
         outlasts the budget: min_steps overrides its stop anyway, but it would say so every step."""
-        if self.floor_s is None:
+        if self.floor_s is None or not self.widen_timer:
             return
         from lightning.pytorch.callbacks import Timer
 
@@ -199,4 +203,5 @@ class TimeBudget(Callback):
                 "planned": self.planned, "min_steps": self.min_steps, "max_steps": self.max_steps,
                 "step_s": round(sps, 4) if sps else None,
                 "validation_s": round(self.val_s, 2) if self.val_s is not None else None,
+                "floor_s": round(self.floor_s, 1) if self.floor_s is not None else None,
                 "revisions": [list(r) for r in self.revisions]}

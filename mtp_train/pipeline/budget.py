@@ -175,18 +175,25 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
     return max(0.0, seconds), record
 
 
-def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float) -> tuple[list[str], dict[str, str]]:
-    """budget.deadline: the span predictors mtp-clp calibrates with `left_s` seconds to the deadline,
-    and why each other one of clp.kinds is not. Only those whose mode eval.modes decodes, and none
-    where the evaluation, sized as mtp-eval will size it (`size_eval`) in the time their calibration
-    leaves, would cut those modes: their decodes would be spent on a threshold nothing reads."""
-    kinds = decoded_kinds(cfg)
-    why = {k: f"eval.modes {list(cfg.eval.modes)} decodes no mode of it" for k in cfg.clp.kinds if k not in kinds}
+def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float,
+                       pending: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """budget.deadline: which of the `pending` span predictors (default: clp.kinds) mtp-clp
+    calibrates with `left_s` seconds to the deadline, and why each other pending one is not. Only
+    those whose mode eval.modes decodes, and none where the evaluation, sized as mtp-eval will size
+    it (`size_eval`) in the time their calibration leaves, would cut those modes: their decodes
+    would be spent on a threshold nothing reads."""
+    pending = list(cfg.clp.kinds) if pending is None else pending
+    decoded = decoded_kinds(cfg)
+    kinds = [k for k in decoded if k in pending]
+    why = {k: f"eval.modes {list(cfg.eval.modes)} decodes no mode of it" for k in pending if k not in decoded}
     if not kinds:
         return [], why
+    if set(decoded_kinds(size_eval(cfg, rate, left_s, defer_sampled=True)[0])) != set(decoded):
+        cut = f"with {left_s / 60:.1f} min left the evaluation cuts their modes whatever calibration takes"
+        return [], {**why, **dict.fromkeys(kinds, cut)}
     seconds = calibration_decodes(cfg, kinds) * rate.decode_s(cfg.eval.max_new_tokens) * DECODE_OVERHEAD
     sized, _ = size_eval(cfg, rate, left_s - seconds, defer_sampled=True)
-    if set(decoded_kinds(sized)) != set(kinds):
+    if set(decoded_kinds(sized)) != set(decoded):
         cut = (f"calibrating {kinds} ({seconds / 60:.1f} min predicted) would leave the evaluation "
                f"{(left_s - seconds) / 60:.1f} min, in which it cuts their modes")
         return [], {**why, **dict.fromkeys(kinds, cut)}

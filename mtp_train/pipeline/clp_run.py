@@ -288,11 +288,17 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
         else:
             todo.append((kind, pred, meta, key))
     if todo and cfg.budget.deadline is not None:
-        chosen, why = deadline_kinds(cfg, backbone, prompts)
+        chosen, why = deadline_kinds(cfg, backbone, prompts, [t[0] for t in todo])
         for kind, _, meta, _ in [t for t in todo if t[0] not in chosen]:
-            log.warning("budget.deadline: %s not calibrated (its threshold stays %.2f): %s", kind,
-                        meta.get("threshold", 1.0), why[kind])
-            results[kind] = {"threshold": meta.get("threshold", 1.0), "skipped": True, "not_calibrated": why[kind]}
+            if meta.get("calibrated") or "calibration" in meta:  # calibrated for other settings: not for these
+                for key in ("calibration", "calibration_hash", "bounds"):
+                    meta.pop(key, None)
+                meta.update(threshold=1.0, calibrated=False)
+                meta["seal"] = calibration_seal(meta)
+                write_json_atomic(out / kind / PREDICTOR_META, meta)
+            log.warning("budget.deadline: %s not calibrated (threshold 1.0: commits no draft unverified): %s", kind,
+                        why[kind])
+            results[kind] = {"threshold": 1.0, "skipped": True, "not_calibrated": why[kind]}
         todo = [t for t in todo if t[0] in chosen]
     if not todo:
         return results
@@ -316,21 +322,25 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     return results
 
 
-def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]]) -> tuple[list[str], dict[str, str]]:
-    """budget.deadline: the predictors worth calibrating before it (budget.kinds_to_calibrate), priced
-    at HF generate's rate as mtp-train measured it for this pipeline (heads.json), or measured here
-    on a calibration prompt when it did not."""
+def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: list[str]) -> tuple[list[str], dict[str, str]]:
+    """budget.deadline: which of the `pending` predictors are worth calibrating before it
+    (budget.kinds_to_calibrate), priced at HF generate's rate as mtp-train measured it for this
+    pipeline (heads.json) where that was on this CPU and in the dtype calibration decodes in, else
+    measured here on a calibration prompt."""
     from mtp_train.artifacts import read_json
+    from mtp_train.evaluation.machine import cpu_model
     from mtp_train.pipeline.budget import Rate, check_deadline, decode_rate, kinds_to_calibrate
 
     check_deadline(cfg.budget.deadline)
     meta = read_json(Path(cfg.clp.train_run) / layout.HEADS_META) or {}
-    probe = (((meta.get("recipe") or {}).get("budget") or {}).get("after_train")) or {}
-    if probe.get("token_s") and probe.get("prefill_s"):
+    record = ((meta.get("recipe") or {}).get("budget") or {})
+    probe = record.get("after_train") or {}
+    here = record.get("cpu") == cpu_model() and record.get("dtype") == str(backbone.model.dtype).replace("torch.", "")
+    if here and probe.get("token_s") and probe.get("prefill_s"):
         rate = Rate(prefill_s=float(probe["prefill_s"]), token_s=float(probe["token_s"]))
     else:
         rate = decode_rate(backbone, sorted(prompts, key=len)[len(prompts) // 2], backbone.model.dtype)
-    return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min)
+    return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min, pending)
 
 
 def run_clp(cfg: Config) -> dict:

@@ -351,7 +351,8 @@ def _run_eval(cfg: Config) -> dict:
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     deadline = None if sized is None else cfg.budget.deadline - 60 * cfg.budget.margin_min
-    shortened = sized is not None and any(c.startswith("max_new_tokens") for c in sized["cut"])
+    # the decodes shortened, or already at their floor and still over: the probes' rounds are minutes too
+    shortened = sized is not None and any(c.startswith(("max_new_tokens", "still")) for c in sized["cut"])
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
                                 tree_stats=stats, deadline=deadline, quick_probes=shortened)
     if sized is not None and (fit := report.pop("sampled_fit", None)) is not None:

@@ -358,6 +358,7 @@ def budget_trainer_kwargs(cfg: Config, budget, resuming: bool) -> dict:
         from mtp_train.lit.budget import backstop_s
 
         out["max_time"] = datetime.timedelta(seconds=backstop_s(budget.seconds))
+        budget.widen_timer = True  # our backstop, which follows the floor; a user's max_time is theirs
     return out
 
 
