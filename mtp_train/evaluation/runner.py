@@ -151,11 +151,11 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     eos = eos_ids(backbone.model, tok)
     dec = Decoder(backbone, heads, eos_ids=eos)
     k = dec.k
-    probe_rounds = {"reps": QUICK_PROBE_ROUNDS} if quick_probes else {}
-    mm = measure_matmuls(dec, **probe_rounds)
+    mm = measure_matmuls(dec, **({"reps": QUICK_PROBE_ROUNDS} if quick_probes else {}))
     log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T, P = packed): %s",
              "/".join(map(str, ROW_BUCKETS)), mm.describe())
-    plan = plan_trees(dec, tree_stats, prompts[0], cfg, **({"rounds": QUICK_PROBE_ROUNDS} if quick_probes else {})) if k else {}
+    curve_rounds = {"rounds": QUICK_PROBE_ROUNDS} if quick_probes else {}
+    plan = plan_trees(dec, tree_stats, prompts[0], cfg, **curve_rounds) if k else {}
     costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
 
     def run_mode(name: str, prompt: list[int], max_new_tokens: int | None = None, warpers=None, seed: int = 0):

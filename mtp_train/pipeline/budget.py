@@ -188,16 +188,19 @@ def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float,
     why = {k: f"eval.modes {list(cfg.eval.modes)} decodes no mode of it" for k in pending if k not in decoded}
     if not kinds:
         return [], why
-    if set(decoded_kinds(size_eval(cfg, rate, left_s, defer_sampled=True)[0])) != set(decoded):
-        cut = f"with {left_s / 60:.1f} min left the evaluation cuts their modes whatever calibration takes"
-        return [], {**why, **dict.fromkeys(kinds, cut)}
+
+    def keeps_span_modes(seconds: float) -> bool:
+        return set(decoded_kinds(size_eval(cfg, rate, seconds, defer_sampled=True)[0])) == set(decoded)
+
     seconds = calibration_decodes(cfg, kinds) * rate.decode_s(cfg.eval.max_new_tokens) * DECODE_OVERHEAD
-    sized, _ = size_eval(cfg, rate, left_s - seconds, defer_sampled=True)
-    if set(decoded_kinds(sized)) != set(decoded):
+    if not keeps_span_modes(left_s):
+        cut = f"with {left_s / 60:.1f} min left the evaluation cuts their modes whatever calibration takes"
+    elif not keeps_span_modes(left_s - seconds):
         cut = (f"calibrating {kinds} ({seconds / 60:.1f} min predicted) would leave the evaluation "
                f"{(left_s - seconds) / 60:.1f} min, in which it cuts their modes")
-        return [], {**why, **dict.fromkeys(kinds, cut)}
-    return kinds, why
+    else:
+        return kinds, why
+    return [], {**why, **dict.fromkeys(kinds, cut)}
 
 
 MIN_EVAL_TOKENS = 16  # sizing never shortens the decodes below this many new tokens
