@@ -463,6 +463,54 @@ def test_verify_costs_read_each_size_against_its_neighbours_so_slow_phases_cance
     assert lo <= curve["raw"][4] <= hi
 
 
+def test_draft_costs_are_read_in_one_token_forwards_timed_beside_them(monkeypatch):
+    """Drafting is priced in one-token forwards, each draft timed between two of them: with the
+    host's speed changing 1.6x every 10 calls (a draft and the forwards beside it take 4), every plan
+    still reads its true cost to 3%; an empty plan costs nothing. Absolute draft times over a
+    one-token time taken elsewhere would mix phases."""
+    import types
+
+    import mtp_train.decoding.costs as costs_mod
+    from mtp_train.trees import TreeShape
+
+    chain, tree, empty = TreeShape.chain(3), TreeShape(((0,), (1,), (0, 0))), TreeShape(())
+    true = {chain.paths: 0.25, tree.paths: 0.12}
+    dec = _DriftingDecoder(lambda n: 0.05 * n, lambda call: 1.6 if (call // 10) % 2 else 1.0)
+    dec.k, dec.drafter = 3, types.SimpleNamespace(reset=lambda: None)
+    dec.forward_aux = lambda ids, cache: (dec.forward(ids, cache), None)
+
+    def fake_draft(drafter, tokens, hidden, plan, max_depth, aux=None):
+        dec.calls += 1
+        dec.now += 0.05 * true[plan.paths] * dec.phases(dec.calls)
+
+    monkeypatch.setattr(costs_mod, "draft_tree", fake_draft)
+    monkeypatch.setattr(costs_mod, "crop_to", lambda cache, n: None)
+    got = costs_mod.draft_costs(dec, [chain, empty, tree], list(range(6)), rounds=7, clock=dec.clock)
+    assert got["costs"][0] == pytest.approx(0.25, rel=0.03)
+    assert got["costs"][1] == 0.0
+    assert got["costs"][2] == pytest.approx(0.12, rel=0.03)
+    assert got["one_token_ms"] == pytest.approx(50.0 * 1.3, rel=0.25)
+
+
+def test_paired_ratios_time_every_item_between_two_references_in_rotating_order():
+    from mtp_train.decoding.costs import paired_ratios
+
+    calls = []
+
+    def unit():
+        calls.append("u")
+        return 1.0
+
+    def item(x):
+        calls.append(x)
+        return {"a": 2.0, "b": 3.0}[x]
+
+    ratios, units = paired_ratios(["a", "b"], item, unit, rounds=2, warmup=1)
+    assert ratios == {"a": [2.0, 2.0], "b": [3.0, 3.0]}
+    assert units == [1.0] * 6  # per timed round: one reference before each item, and the last
+    assert calls == ["u", "a", "u", "b", "u", "u", "b", "u", "a", "u", "u", "a", "u", "b", "u"]
+
+
 def test_verify_costs_never_fall_with_more_tokens_and_keep_the_raw_medians():
     """A size that reads cheaper than a smaller one (noise; here planted: 6 tokens as fast as 3) is
     pooled with its neighbours; the raw medians stay in the curve."""

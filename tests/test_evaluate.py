@@ -328,6 +328,15 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert any("not calibrated" in c for c in timed["sized_to_deadline"]["cut"]) is not calibrated
     sized = timed["sized_to_deadline"]  # "as asked" is priced before the drop: clp's decodes included
     assert (sized["predicted_full_s"] > sized["predicted_s"]) is not calibrated
+    from mtp_train.evaluation.runner import QUICK_PROBE_ROUNDS
+
+    assert timed["decoder"]["verify_costs"]["rounds"] > QUICK_PROBE_ROUNDS  # time to spare: the full probes
+    # a deadline the shortest decodes overrun: the probes are timed in fewer rounds too
+    tight = run_eval(_eval_cfg(root, "eval.modes=[verify]", "eval.rounds=1", f"budget.deadline={time.time() + 20}",
+                               f"paths.output_dir={root}/eval-tight"))
+    assert any(c.startswith("still") for c in tight["sized_to_deadline"]["cut"])
+    assert tight["decoder"]["verify_costs"]["rounds"] == QUICK_PROBE_ROUNDS
+    assert tight["decoder"]["trees"]["draft_rounds"] == QUICK_PROBE_ROUNDS
     # under a deadline mtp-clp calibrates only the predictors of modes the evaluation decodes (the gate's
     # thresholds would be decodes nothing reads), and says why
     dl = run_clp(_eval_cfg(root, *clp_args, "eval.modes=[verify,clp]", f"budget.deadline={time.time() + 3600}",
@@ -768,6 +777,7 @@ def test_quick_probes_time_the_layouts_and_the_cost_curve_in_fewer_rounds(traine
     full, _ = run_modes(backbone, heads, prompts[:1], cfg.eval)
     assert reps == [QUICK_PROBE_ROUNDS, None]  # None: measure_matmuls' own default
     assert quick["decoder"]["verify_costs"]["rounds"] == QUICK_PROBE_ROUNDS < full["decoder"]["verify_costs"]["rounds"]
+    assert quick["decoder"]["trees"]["draft_rounds"] == QUICK_PROBE_ROUNDS < full["decoder"]["trees"]["draft_rounds"]
 
 
 @pytest.mark.integration

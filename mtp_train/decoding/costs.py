@@ -27,6 +27,26 @@ def _rotated(items: list, r: int) -> list:
     return items[r:] + items[:r]
 
 
+def paired_ratios(items: list, time_item, time_unit, rounds: int, warmup: int = 1) -> tuple[dict, list[float]]:
+    """Each of `items` timed between two reference calls (`time_unit()`, e.g. a one-token forward;
+    both return seconds) and read as its time over their mean, in `warmup` untimed rounds and then
+    `rounds` rounds whose order of items rotates. Returns ({item: [ratio per round]}, [every
+    reference time of the timed rounds, each once])."""
+    ratios = {x: [] for x in items}
+    units: list[float] = []
+    for r in range(warmup + rounds):
+        before = time_unit()
+        for x in _rotated(items, r) if items else []:
+            t, after = time_item(x), time_unit()
+            if r >= warmup:
+                ratios[x].append(t / (0.5 * (before + after)))
+                units.append(before)
+            before = after
+        if r >= warmup:
+            units.append(before)
+    return ratios, units
+
+
 def measure_matmuls(dec, reps: int = 6, context: int = 128, buckets=ROW_BUCKETS) -> MatmulPlan:
     """For each row-count bucket, time a whole backbone forward of that many tokens (LM head
     included) with every linear in each layout of matmul.LAYOUTS (`F.linear`, `W @ x^T`, and
@@ -98,18 +118,7 @@ def verify_costs(dec, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), context:
             crop_to(cache, context)
             return dt
 
-        ratios = {n: [] for n in sizes}
-        ones = []
-        for r in range(warmup + rounds):
-            before = timed(1)
-            for n in _rotated(sizes[1:], r) if len(sizes) > 1 else []:
-                t, after = timed(n), timed(1)
-                if r >= warmup:
-                    ratios[n].append(t / (0.5 * (before + after)))
-                    ones.append(before)
-                before = after
-            if r >= warmup:
-                ones.append(before)
+        ratios, ones = paired_ratios(sizes[1:], timed, lambda: timed(1), rounds, warmup)
         one = statistics.median(ones)
         ratios[1] = [t / one for t in ones]
         raw = {n: statistics.median(v) for n, v in ratios.items()}
@@ -132,25 +141,44 @@ def monotone(values: list[float]) -> list[float]:
     return [m for m, c in blocks for _ in range(c)]
 
 
-def draft_cost(dec, plan, prompt: list[int], reps: int = 5) -> float:
-    """Median wall time of drafting `plan` after `prompt` (seconds), warm."""
-    if dec.drafter is None or (isinstance(plan, TreeShape) and plan.n == 0):
-        return 0.0
+def draft_costs(dec, plans: list, prompt: list[int], rounds: int = 5, clock=time.perf_counter) -> dict:
+    """Drafting each of `plans` after `prompt` (warm: the drafter's caches filled first, untimed),
+    in one-token forwards: each draft is timed between two one-token backbone forwards at the
+    prompt's context (with the LM head and argmax, as `verify_costs` times them) and read as its
+    time over their mean; the median over `rounds` rounds (one warm-up round first, the plans'
+    order rotating), so a slow phase of the machine slows both sides of the ratio. Returns
+    {"costs": [per plan, in one-token forwards], "one_token_ms": the median reference}; an empty
+    plan, or a decoder without a drafter, costs 0."""
+    costs = [0.0] * len(plans)
+    todo = [i for i, p in enumerate(plans) if dec.drafter is not None and not (isinstance(p, TreeShape) and p.n == 0)]
+    if not todo:
+        return {"costs": costs, "one_token_ms": None}
     with dec.routing(), torch.inference_mode():
         from transformers import DynamicCache
 
         ids = torch.as_tensor(prompt, dtype=torch.long, device=dec.device)
-        hidden, aux = dec.forward_aux(ids, DynamicCache())
+        cache = DynamicCache()
+        hidden, aux = dec.forward_aux(ids, cache)
         tokens = torch.cat([ids, ids[-1:]])
-        times = []
-        for r in range(reps + 1):
+
+        def one_token() -> float:
+            t0 = clock()
+            out = dec.forward(ids[-1:], cache)
+            dec.mm.mm(out, dec.weight).argmax(-1)
+            dt = clock() - t0
+            crop_to(cache, len(ids))
+            return dt
+
+        def drafting(i: int) -> float:
             dec.drafter.reset()
-            # fill the drafter's caches first: a step then drafts warm
             draft_tree(dec.drafter, tokens[:-1], hidden[:-1], TreeShape.chain(dec.k), dec.k,
                        None if aux is None else aux[:-1])
-            t0 = time.perf_counter()
-            draft_tree(dec.drafter, tokens, hidden, plan, dec.k, aux)
-            if r:
-                times.append(time.perf_counter() - t0)
+            t0 = clock()
+            draft_tree(dec.drafter, tokens, hidden, plans[i], dec.k, aux)
+            return clock() - t0
+
+        ratios, ones = paired_ratios(todo, drafting, one_token, rounds)
         dec.drafter.reset()
-        return statistics.median(times)
+    for i in todo:
+        costs[i] = statistics.median(ratios[i])
+    return {"costs": costs, "one_token_ms": statistics.median(ones) * 1e3}

@@ -12,14 +12,14 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7) -> dict:
+def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7, draft_rounds: int = 5) -> dict:
     """Measure this machine's verify cost curve and drafting costs, and pick: the static tree with
     the most expected committed tokens per unit of step time (`tree`), a dynamic tree of the same
     node count (`dynamic`), the cost/acceptance Pareto front (adaptive, cost policy) and one tree per
     entropy bucket (adaptive, entropy policy: EntMTP). Without rank statistics the chain stands in
-    for the static tree and the entropy policy uses chains. `rounds`: the cost curve's timing rounds."""
+    for the static tree and the entropy policy uses chains. `rounds`: the cost curve's timing rounds; `draft_rounds`: the drafting costs'."""
     from mtp_train.decoding import DynamicTree
-    from mtp_train.decoding.costs import draft_cost, verify_costs
+    from mtp_train.decoding.costs import draft_costs, verify_costs
     from mtp_train.trees import TreeShape, expected_accepted, grow_tree, pareto_front
 
     k = dec.k
@@ -32,22 +32,24 @@ def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7) -> dict:
             shapes.setdefault(shape.paths, shape)
     sizes = sorted({1, 2, 4, 8, 16, 32, 64} | set(range(1, k + 2)) | {s.n + 1 for s in shapes.values()})
     curve = verify_costs(dec, sizes=tuple(sizes), rounds=rounds)
-    one = curve["one_token_ms"] / 1e3
+    one_ms = curve["one_token_ms"]
+    # drafting, in one-token forwards timed beside it (decoding/costs.py: draft_costs); the drafts'
+    # dtype is the cheaper of the decoder's and bf16 (drafts need not be exact)
     draft_dtypes = {}
-    for dtype in dict.fromkeys((dec.draft_dtype, torch.bfloat16)):  # drafts need not be exact
+    for dtype in dict.fromkeys((dec.draft_dtype, torch.bfloat16)):
         dec.set_draft_dtype(dtype)
-        draft_dtypes[dtype] = draft_cost(dec, TreeShape.chain(k), prompt)
+        draft_dtypes[dtype] = draft_costs(dec, [TreeShape.chain(k)], prompt, rounds=draft_rounds)["costs"][0]
     dec.set_draft_dtype(min(draft_dtypes, key=draft_dtypes.get))
-    log.info("drafting a chain of %d: %s; drafting in %s", k, ", ".join(
-        f"{str(d).replace('torch.', '')} {t * 1e3:.1f} ms" for d, t in draft_dtypes.items()), dec.draft_dtype)
+    log.info("drafting a chain of %d, in one-token forwards: %s; drafting in %s", k, ", ".join(
+        f"{str(d).replace('torch.', '')} {c:.3f}" for d, c in draft_dtypes.items()), dec.draft_dtype)
+    drafts = draft_costs(dec, list(shapes.values()), prompt, rounds=draft_rounds)["costs"]
     rows = []
-    for shape in shapes.values():
+    for shape, draft in zip(shapes.values(), drafts, strict=True):
         tau = 1 + expected_accepted(shape, prefix, total) if total else None
-        draft = draft_cost(dec, shape, prompt)
-        cost = curve["costs"][shape.n + 1] + draft / one
+        cost = curve["costs"][shape.n + 1] + draft
         rows.append({"shape": shape, "label": shape.label(), "nodes": shape.n, "depth": shape.depth,
                      "predicted_tau": tau, "verify_cost": curve["costs"][shape.n + 1],
-                     "draft_cost": draft / one, "cost": cost,
+                     "draft_cost": draft, "cost": cost,
                      "rate": None if tau is None else tau / cost})
     scored = [r for r in rows if r["rate"] is not None]
     static = max(scored, key=lambda r: r["rate"])["shape"] if scored else TreeShape.chain(k)
@@ -81,8 +83,9 @@ def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7) -> dict:
         "pareto": [c["shape"].label() if c["shape"].n else "none" for c in front],
         "entropy_trees": [t.label() if t.n else "none" for t in by_entropy] if by_entropy else None,
         "entropy_edges": list(stats.edges) if total else None, "rank_positions": total,
-        "draft_dtype": str(dec.draft_dtype).replace("torch.", ""),
-        "draft_ms_by_dtype": {str(d).replace("torch.", ""): t * 1e3 for d, t in draft_dtypes.items()}}
+        "draft_dtype": str(dec.draft_dtype).replace("torch.", ""), "draft_rounds": draft_rounds,
+        "draft_cost_by_dtype": {str(d).replace("torch.", ""): c for d, c in draft_dtypes.items()},
+        "draft_ms_by_dtype": {str(d).replace("torch.", ""): c * one_ms for d, c in draft_dtypes.items()}}
     log.info("verify cost on this machine (n tokens / 1 token, one token %.1f ms): %s", curve["one_token_ms"],
              ", ".join(f"{n}: {c:.2f}" for n, c in curve["costs"].items()))
     for r in rows:

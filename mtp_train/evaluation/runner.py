@@ -138,10 +138,10 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     """Decode every prompt with HF generate and each mode in cfg.modes, in cfg.rounds timing rounds;
     returns the report dict and round 1's outputs per mode. With a `deadline` (Unix seconds), the
     sampled runs are decoded only while the greedy decodes' measured time says they fit before it
-    (report["sampled_fit"] says what was cut). quick_probes: the matmul layouts and the verify cost
-    curve are timed in QUICK_PROBE_ROUNDS rounds instead of 6 and 7 (the layouts above 16 rows in 2
-    instead of 3), for a deadline that shortened the decodes: on a 3x slower machine the full probes
-    took about 3 minutes, as long as the decodes themselves."""
+    (report["sampled_fit"] says what was cut). quick_probes: the matmul layouts, the verify cost
+    curve and the drafting costs are timed in QUICK_PROBE_ROUNDS rounds instead of 6, 7 and 5 (the
+    layouts above 16 rows in 2 instead of 3), for a deadline that shortened the decodes: on a 3x
+    slower machine the full probes took about 3 minutes, as long as the decodes themselves."""
     from tqdm.auto import tqdm
 
     from mtp_train.decoding import ROW_BUCKETS, Decoder
@@ -154,7 +154,7 @@ def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None
     mm = measure_matmuls(dec, **({"reps": QUICK_PROBE_ROUNDS} if quick_probes else {}))
     log.info("matmul layout per weight (row buckets %s; L = F.linear, T = W @ x^T, P = packed): %s",
              "/".join(map(str, ROW_BUCKETS)), mm.describe())
-    curve_rounds = {"rounds": QUICK_PROBE_ROUNDS} if quick_probes else {}
+    curve_rounds = {"rounds": QUICK_PROBE_ROUNDS, "draft_rounds": QUICK_PROBE_ROUNDS} if quick_probes else {}
     plan = plan_trees(dec, tree_stats, prompts[0], cfg, **curve_rounds) if k else {}
     costs = [plan["curve"]["costs"][n + 1] for n in range(k + 1)] if k else [1.0]
 

@@ -352,7 +352,8 @@ def _run_eval(cfg: Config) -> dict:
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     deadline = None if sized is None else cfg.budget.deadline - 60 * cfg.budget.margin_min
     # the decodes shortened, or already at their floor and still over: the probes' rounds are minutes too
-    shortened = sized is not None and any(c.startswith(("max_new_tokens", "still")) for c in sized["cut"])
+    shortened = sized is not None and (cfg.eval.max_new_tokens < asked.eval.max_new_tokens
+                                       or sized["predicted_s"] > sized["left_s"])
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
                                 tree_stats=stats, deadline=deadline, quick_probes=shortened)
     if sized is not None and (fit := report.pop("sampled_fit", None)) is not None:
