@@ -21,8 +21,8 @@ READS: dict[str, tuple[str, ...]] = {
     # calibration decodes eval.max_new_tokens; under budget.deadline it is sized by the evaluation's modes,
     # prompts, rounds and sampled runs (pipeline/budget.py, kinds_to_calibrate)
     "clp": ("seed", "stage", "force", "paths", "backbone", "data", "clp", "eval.max_new_tokens", "eval.modes",
-            "eval.n_prompts", "eval.rounds", "eval.sampling", "train.data_use", "train.max_length",
-            "train.use_cache", "budget"),
+            "eval.n_prompts", "eval.rounds", "eval.sampling", "eval.prompts", "eval.prompt_source",
+            "eval.max_prompt_tokens", "train.data_use", "train.max_length", "train.use_cache", "budget"),
     "eval": ("seed", "force", "paths", "backbone", "data", "eval", "budget"),
 }
 # the commands without stages of their own (mtp-prep and mtp-clp check theirs): `stage` may only be all

@@ -305,6 +305,67 @@ def test_calibration_is_priced_for_the_predictors_the_evaluation_decodes(typed_c
     assert decoded_kinds(none) == [] and decodes_after_train(none)["clp"] == 0
 
 
+def test_a_rate_scales_its_prefill_to_the_prompt_on_the_line_through_one_token_and_the_probe():
+    from mtp_train.pipeline.budget import Rate
+
+    probe = Rate(prefill_s=0.50, token_s=0.06, prompt_tokens=192)
+
+    def line(n):  # the straight line through (1 token, token_s) and (192 tokens, the measured prefill)
+        x0, y0, x1, y1 = 1, 0.06, 192, 0.50
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    for n in (1, 2, 47, 100, 400):
+        r = probe.for_prompt(n)
+        assert r.prefill_s == pytest.approx(line(n)) and r.token_s == 0.06 and r.prompt_tokens == n
+    assert probe.for_prompt(192) is probe
+    assert Rate(0.5, 0.06).for_prompt(47) == Rate(0.5, 0.06)  # no probe length recorded: as measured
+    assert Rate(0.05, 0.06, 10).for_prompt(1).prefill_s == 0.06  # never below one token's time
+    assert probe.for_prompt(47).decode_s(48) < probe.decode_s(48)
+
+
+def test_mtp_clp_prices_the_evaluation_on_its_own_median_prompt(typed_cfg, tmp_path, monkeypatch):
+    """mtp-clp's calibration decision prices the evaluation as mtp-eval will: on the median of the
+    prompts it decodes, at training's rate with the prefill scaled to that prompt (same CPU and
+    dtype), else measured on that prompt; on the calibration prompts where the evaluation's cannot
+    be read."""
+    import types
+
+    import torch
+
+    import mtp_train.pipeline.budget as budget
+    import mtp_train.pipeline.evaluation as evaluation
+    from mtp_train.errors import DataError
+    from mtp_train.evaluation.machine import cpu_model
+    from mtp_train.pipeline.clp_run import deadline_kinds
+
+    seen = {}
+    monkeypatch.setattr(budget, "kinds_to_calibrate", lambda cfg, rate, left, pending: (seen.update(rate=rate), ([], {}))[1])
+    monkeypatch.setattr(budget, "decode_rate", lambda b, prompt, dtype: seen.update(probed=len(prompt)) or
+                        budget.Rate(0.2, 0.05, len(prompt)))
+    monkeypatch.setattr(evaluation, "select_prompts", lambda cfg, b: ([[1] * 30, [1] * 10, [1] * 20, [1] * 90], 0))
+    backbone = types.SimpleNamespace(model=types.SimpleNamespace(dtype=torch.float32))
+    cfg = typed_cfg(*FAST, f"budget.deadline={time.time() + 600}", f"clp.train_run={tmp_path}")
+
+    def record(cpu):
+        after = {"prefill_s": 0.5, "token_s": 0.06, "prompt_tokens": 192}
+        (tmp_path / "heads.json").write_text(json.dumps(
+            {"recipe": {"budget": {"cpu": cpu, "dtype": "float32", "after_train": after}}}))
+
+    record(cpu_model())
+    deadline_kinds(cfg, backbone, [[1] * 5], ["clp"])
+    assert seen["rate"] == budget.Rate(0.5, 0.06, 192).for_prompt(30) and "probed" not in seen
+    record("another CPU")
+    deadline_kinds(cfg, backbone, [[1] * 5], ["clp"])
+    assert seen["probed"] == 30 and seen["rate"].prompt_tokens == 30
+
+    def unreadable(cfg, b):
+        raise DataError("eval.prompts: no such file")
+
+    monkeypatch.setattr(evaluation, "select_prompts", unreadable)
+    deadline_kinds(cfg, backbone, [[1] * 5, [1] * 7, [1] * 9], ["clp"])
+    assert seen["probed"] == 7
+
+
 def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_decode(typed_cfg):
     """The calibration's decodes are spent only where the evaluation, sized in the time they leave,
     keeps the predictor's mode; otherwise those minutes go to the evaluation."""

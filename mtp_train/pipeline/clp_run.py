@@ -324,22 +324,31 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
 
 def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: list[str]) -> tuple[list[str], dict[str, str]]:
     """budget.deadline: which of the `pending` predictors are worth calibrating before it
-    (budget.kinds_to_calibrate), priced at HF generate's rate as mtp-train measured it for this
-    pipeline (heads.json) where that was on this CPU and in the dtype calibration decodes in, else
-    measured here on a calibration prompt."""
+    (budget.kinds_to_calibrate), priced as mtp-eval will price its decodes: at HF generate's rate on
+    the evaluation's typical prompt (the median length of the prompts it will decode; the calibration
+    `prompts` where those cannot be read here). The rate is mtp-train's for this pipeline
+    (heads.json), its prefill scaled to that prompt (`Rate.for_prompt`), where it was measured on
+    this CPU and in the dtype calibration decodes in; else it is measured here on that prompt."""
     from mtp_train.artifacts import read_json
     from mtp_train.evaluation.machine import cpu_model
     from mtp_train.pipeline.budget import Rate, check_deadline, decode_rate, kinds_to_calibrate
+    from mtp_train.pipeline.evaluation import select_prompts
 
     check_deadline(cfg.budget.deadline)
+    try:
+        typical = sorted(select_prompts(cfg, backbone)[0], key=len)
+    except MtpError as e:
+        log.info("budget.deadline: pricing the evaluation on the calibration prompts (its own: %s)", e)
+        typical = sorted(prompts, key=len)
+    typical = typical[len(typical) // 2]
     meta = read_json(Path(cfg.clp.train_run) / layout.HEADS_META) or {}
     record = ((meta.get("recipe") or {}).get("budget") or {})
     probe = record.get("after_train") or {}
     here = record.get("cpu") == cpu_model() and record.get("dtype") == str(backbone.model.dtype).replace("torch.", "")
-    if here and probe.get("token_s") and probe.get("prefill_s"):
-        rate = Rate(prefill_s=float(probe["prefill_s"]), token_s=float(probe["token_s"]))
+    if here and probe.get("token_s") and probe.get("prefill_s") and probe.get("prompt_tokens"):
+        rate = Rate(float(probe["prefill_s"]), float(probe["token_s"]), int(probe["prompt_tokens"])).for_prompt(len(typical))
     else:
-        rate = decode_rate(backbone, sorted(prompts, key=len)[len(prompts) // 2], backbone.model.dtype)
+        rate = decode_rate(backbone, typical, backbone.model.dtype)
     return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min, pending)
 
 
