@@ -319,7 +319,7 @@ def test_a_rate_scales_its_prefill_to_the_prompt_on_the_line_through_one_token_a
         assert r.prefill_s == pytest.approx(line(n)) and r.token_s == 0.06 and r.prompt_tokens == n
     assert probe.for_prompt(192) is probe
     assert Rate(0.5, 0.06).for_prompt(47) == Rate(0.5, 0.06)  # no probe length recorded: as measured
-    assert Rate(0.05, 0.06, 10).for_prompt(1).prefill_s == 0.06  # never below one token's time
+    assert Rate(0.05, 0.06, 10).for_prompt(5).prefill_s == 0.06  # never below one token's time
     assert probe.for_prompt(47).decode_s(48) < probe.decode_s(48)
 
 
@@ -339,7 +339,12 @@ def test_mtp_clp_prices_the_evaluation_on_its_own_median_prompt(typed_cfg, tmp_p
     from mtp_train.pipeline.clp_run import deadline_kinds
 
     seen = {}
-    monkeypatch.setattr(budget, "kinds_to_calibrate", lambda cfg, rate, left, pending: (seen.update(rate=rate), ([], {}))[1])
+
+    def priced(cfg, rate, left, pending, calibration_rate=None):
+        seen.update(rate=rate, calibration=calibration_rate)
+        return [], {}
+
+    monkeypatch.setattr(budget, "kinds_to_calibrate", priced)
     monkeypatch.setattr(budget, "decode_rate", lambda b, prompt, dtype: seen.update(probed=len(prompt)) or
                         budget.Rate(0.2, 0.05, len(prompt)))
     monkeypatch.setattr(evaluation, "select_prompts", lambda cfg, b: ([[1] * 30, [1] * 10, [1] * 20, [1] * 90], 0))
@@ -352,18 +357,57 @@ def test_mtp_clp_prices_the_evaluation_on_its_own_median_prompt(typed_cfg, tmp_p
             {"recipe": {"budget": {"cpu": cpu, "dtype": "float32", "after_train": after}}}))
 
     record(cpu_model())
-    deadline_kinds(cfg, backbone, [[1] * 5], ["clp"])
-    assert seen["rate"] == budget.Rate(0.5, 0.06, 192).for_prompt(30) and "probed" not in seen
+    calibration_prompts = [[1] * 100, [1] * 300, [1] * 200]
+    deadline_kinds(cfg, backbone, calibration_prompts, ["clp"])
+    trained = budget.Rate(0.5, 0.06, 192)
+    assert seen["rate"] == trained.for_prompt(30) and "probed" not in seen
+    assert seen["calibration"] == trained.for_prompt(200)  # the calibration decodes its own prompts
     record("another CPU")
-    deadline_kinds(cfg, backbone, [[1] * 5], ["clp"])
-    assert seen["probed"] == 30 and seen["rate"].prompt_tokens == 30
+    deadline_kinds(cfg, backbone, calibration_prompts, ["clp"])
+    assert seen["probed"] == 30 and seen["rate"].prompt_tokens == 30 and seen["calibration"].prompt_tokens == 200
+    # a heads.json from before the probe's length was recorded: measured here too
+    (tmp_path / "heads.json").write_text(json.dumps({"recipe": {"budget": {
+        "cpu": cpu_model(), "dtype": "float32", "after_train": {"prefill_s": 0.5, "token_s": 0.06}}}}))
+    seen.clear()
+    deadline_kinds(cfg, backbone, calibration_prompts, ["clp"])
+    assert seen["probed"] == 30
 
-    def unreadable(cfg, b):
-        raise DataError("eval.prompts: no such file")
+    for error in (DataError("eval.prompts: no such file"), OSError("the source's file went away")):
+        def unreadable(cfg, b, error=error):
+            raise error
 
-    monkeypatch.setattr(evaluation, "select_prompts", unreadable)
-    deadline_kinds(cfg, backbone, [[1] * 5, [1] * 7, [1] * 9], ["clp"])
-    assert seen["probed"] == 7
+        monkeypatch.setattr(evaluation, "select_prompts", unreadable)
+        seen.clear()
+        deadline_kinds(cfg, backbone, [[1] * 5, [1] * 7, [1] * 9], ["clp"])
+        assert seen["probed"] == 7
+
+
+def test_the_probes_are_shortened_only_where_the_greedy_decodes_are(typed_cfg, monkeypatch):
+    """mtp-eval times its layouts, cost curve and drafts in fewer rounds only where the deadline
+    shortened the greedy decodes (or they overrun at their floor): sampled runs priced over, which
+    it decides later from the greedy decodes' measured time, leave the probes whole."""
+    import mtp_train.pipeline.budget as budget
+    from mtp_train.pipeline.evaluation import size_to_deadline
+
+    rate = budget.Rate(0.3, 0.1)
+    monkeypatch.setattr(budget, "decode_rate", lambda *a, **k: rate)
+    base = (*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree]",
+            "eval.sampling.temperatures=[1.0]", "budget.margin_min=0")
+    asked = typed_cfg(*base)
+    greedy, full = budget.eval_seconds(budget.without_sampled(asked), rate), budget.eval_seconds(asked, rate)
+    backbone = SimpleNamespace(model=SimpleNamespace(dtype=torch.float32))
+
+    def sized(left):
+        return size_to_deadline(typed_cfg(*base, f"budget.deadline={time.time() + left}"), backbone, [1] * 5)
+
+    cfg, rec = sized(full + 60)
+    assert not rec["shortened"] and not rec["cut"]
+    cfg, rec = sized((greedy + full) / 2)
+    assert rec["sampled_deferred"] and not rec["shortened"] and cfg.eval.max_new_tokens == 48
+    cfg, rec = sized(greedy * 0.6)
+    assert rec["shortened"] and cfg.eval.max_new_tokens < 48
+    cfg, rec = sized(5)  # at the floor and still over
+    assert rec["shortened"] and any(c.startswith("still") for c in rec["cut"])
 
 
 def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_decode(typed_cfg):
@@ -377,9 +421,10 @@ def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_dec
         kinds_to_calibrate,
     )
 
-    cfg = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]",
-                    "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
-                    "eval.sampling.temperatures=[0]")
+    args = (*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]",
+            "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
+            "eval.sampling.temperatures=[0]")
+    cfg = typed_cfg(*args, "budget.margin_min=0")  # no slack (size_eval's half margin): exact edges
     rate = Rate(prefill_s=0.3, token_s=0.1)
     calib = calibration_decodes(cfg, ["clp"]) * rate.decode_s(48) * DECODE_OVERHEAD
     need = eval_seconds(cfg, rate)
@@ -387,6 +432,11 @@ def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_dec
     assert kinds == ["clp"] and set(why) == {"gate"} and "decodes no mode of it" in why["gate"]
     kinds, why = kinds_to_calibrate(cfg, rate, need + calib - 5)  # the evaluation would cut the clp mode
     assert kinds == [] and "cuts their modes" in why["clp"] and "decodes no mode" in why["gate"]
+    # with a margin, the evaluation keeps a mode priced within half of it over, as mtp-eval will
+    assert kinds_to_calibrate(typed_cfg(*args, "budget.margin_min=1"), rate, need + calib - 5)[0] == ["clp"]
+    # the calibration is priced at its own prompts' rate where one is given
+    slow = Rate(prefill_s=3.0, token_s=0.1)
+    assert kinds_to_calibrate(cfg, rate, need + calib + 1, calibration_rate=slow)[0] == []
     # a mode list without span modes calibrates nothing, however much time there is
     kinds, why = kinds_to_calibrate(typed_cfg(*FAST, "eval.modes=[verify,tree]"), rate, 1e6)
     assert kinds == [] and set(why) == {"clp", "gate"}
@@ -396,7 +446,7 @@ def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_dec
     # only what is pending is priced: the gate alone, where clp is calibrated already
     both = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]",
                      "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp,gate]",
-                     "eval.sampling.temperatures=[0]")
+                     "eval.sampling.temperatures=[0]", "budget.margin_min=0")
     one = calibration_decodes(both, ["gate"]) * rate.decode_s(48) * DECODE_OVERHEAD
     two = calibration_decodes(both, ["clp", "gate"]) * rate.decode_s(48) * DECODE_OVERHEAD
     left = eval_seconds(both, rate) + (one + two) / 2  # enough for one kind's thresholds, not two
@@ -454,13 +504,31 @@ def test_an_evaluation_is_cut_to_its_deadline_sampling_first_then_modes_then_tok
     assert c4.eval.max_new_tokens == MIN_EVAL_TOKENS and "over the deadline" in cuts[-1]
 
 
+def test_a_mode_is_not_cut_for_an_overrun_within_half_the_margin(typed_cfg):
+    """The evaluation's price is a probe's: a mode priced a few seconds over the time left stays,
+    up to half of budget.margin_min; past that (or with no margin) it is cut as before."""
+    from mtp_train.pipeline.budget import Rate, eval_seconds, eval_slack_s, size_eval
+
+    args = (*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]")
+    tok = Rate(prefill_s=0.3, token_s=0.1)
+    cfg = typed_cfg(*args, "budget.margin_min=1")
+    need = eval_seconds(cfg, tok)
+    assert eval_slack_s(cfg) == 30.0
+    kept, cuts = size_eval(cfg, tok, need - 20)
+    assert kept.eval.modes == ["verify", "tree", "clp"] and kept.eval.max_new_tokens == 48 and cuts == []
+    cut, cuts = size_eval(cfg, tok, need - 40)
+    assert cut.eval.modes == ["verify", "tree"] and "modes ['clp']" in cuts[0]
+    strict, _ = size_eval(typed_cfg(*args, "budget.margin_min=0"), tok, need - 20)
+    assert strict.eval.modes == ["verify", "tree"]
+
+
 def test_a_deferred_sampled_run_is_left_to_the_greedy_decodes_where_they_fit(typed_cfg):
     """defer_sampled (mtp-eval under a deadline): a sampled run the probe prices over the time left
     stays while the greedy part fits, and is cut first as before when even that does not fit."""
     from mtp_train.pipeline.budget import Rate, eval_seconds, size_eval
 
     cfg = typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
-                    "eval.sampling.temperatures=[0,1.0]")
+                    "eval.sampling.temperatures=[0,1.0]", "budget.margin_min=0")  # no slack: exact edges
     tok = Rate(prefill_s=0.3, token_s=0.1)
     greedy = eval_seconds(typed_cfg(*FAST, "eval.n_prompts=20", "eval.max_new_tokens=48",
                                     "eval.modes=[verify,tree,clp]"), tok)

@@ -484,8 +484,10 @@ def test_draft_costs_are_read_in_one_token_forwards_timed_beside_them(monkeypatc
         dec.now += 0.05 * true[plan.paths] * dec.phases(dec.calls)
 
     monkeypatch.setattr(costs_mod, "draft_tree", fake_draft)
-    monkeypatch.setattr(costs_mod, "crop_to", lambda cache, n: None)
+    crops = []
+    monkeypatch.setattr(costs_mod, "crop_to", lambda cache, n: crops.append(n))
     got = costs_mod.draft_costs(dec, [chain, empty, tree], list(range(6)), rounds=7, clock=dec.clock)
+    assert crops and set(crops) == {6}  # every reference forward is cropped back to the prompt
     assert got["costs"][0] == pytest.approx(0.25, rel=0.03)
     assert got["costs"][1] == 0.0
     assert got["costs"][2] == pytest.approx(0.12, rel=0.03)

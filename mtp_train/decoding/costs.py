@@ -143,9 +143,9 @@ def monotone(values: list[float]) -> list[float]:
 
 def draft_costs(dec, plans: list, prompt: list[int], rounds: int = 5, clock=time.perf_counter) -> dict:
     """Drafting each of `plans` after `prompt` (warm: the drafter's caches filled first, untimed),
-    in one-token forwards: each draft is timed between two one-token backbone forwards at the
-    prompt's context (with the LM head and argmax, as `verify_costs` times them) and read as its
-    time over their mean; the median over `rounds` rounds (one warm-up round first, the plans'
+    in one-token forwards: each draft is timed between two one-token backbone forwards (with the LM
+    head and argmax, as `verify_costs` times them, but after the prompt rather than a 128-token
+    cache: the drafts read the prompt's hidden states) and read as its time over their mean; the median over `rounds` rounds (one warm-up round first, the plans'
     order rotating), so a slow phase of the machine slows both sides of the ratio. Returns
     {"costs": [per plan, in one-token forwards], "one_token_ms": the median reference}; an empty
     plan, or a decoder without a drafter, costs 0."""

@@ -32,16 +32,16 @@ def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7, draft_rounds
             shapes.setdefault(shape.paths, shape)
     sizes = sorted({1, 2, 4, 8, 16, 32, 64} | set(range(1, k + 2)) | {s.n + 1 for s in shapes.values()})
     curve = verify_costs(dec, sizes=tuple(sizes), rounds=rounds)
-    one_ms = curve["one_token_ms"]
     # drafting, in one-token forwards timed beside it (decoding/costs.py: draft_costs); the drafts'
     # dtype is the cheaper of the decoder's and bf16 (drafts need not be exact)
     draft_dtypes = {}
     for dtype in dict.fromkeys((dec.draft_dtype, torch.bfloat16)):
         dec.set_draft_dtype(dtype)
-        draft_dtypes[dtype] = draft_costs(dec, [TreeShape.chain(k)], prompt, rounds=draft_rounds)["costs"][0]
-    dec.set_draft_dtype(min(draft_dtypes, key=draft_dtypes.get))
+        got = draft_costs(dec, [TreeShape.chain(k)], prompt, rounds=draft_rounds)
+        draft_dtypes[dtype] = (got["costs"][0], got["one_token_ms"])
+    dec.set_draft_dtype(min(draft_dtypes, key=lambda d: draft_dtypes[d][0]))
     log.info("drafting a chain of %d, in one-token forwards: %s; drafting in %s", k, ", ".join(
-        f"{str(d).replace('torch.', '')} {c:.3f}" for d, c in draft_dtypes.items()), dec.draft_dtype)
+        f"{str(d).replace('torch.', '')} {c:.3f}" for d, (c, _) in draft_dtypes.items()), dec.draft_dtype)
     drafts = draft_costs(dec, list(shapes.values()), prompt, rounds=draft_rounds)["costs"]
     rows = []
     for shape, draft in zip(shapes.values(), drafts, strict=True):
@@ -84,8 +84,8 @@ def plan_trees(dec, stats, prompt: list[int], cfg, rounds: int = 7, draft_rounds
         "entropy_trees": [t.label() if t.n else "none" for t in by_entropy] if by_entropy else None,
         "entropy_edges": list(stats.edges) if total else None, "rank_positions": total,
         "draft_dtype": str(dec.draft_dtype).replace("torch.", ""), "draft_rounds": draft_rounds,
-        "draft_cost_by_dtype": {str(d).replace("torch.", ""): c for d, c in draft_dtypes.items()},
-        "draft_ms_by_dtype": {str(d).replace("torch.", ""): c * one_ms for d, c in draft_dtypes.items()}}
+        "draft_cost_by_dtype": {str(d).replace("torch.", ""): c for d, (c, _) in draft_dtypes.items()},
+        "draft_ms_by_dtype": {str(d).replace("torch.", ""): c * ms for d, (c, ms) in draft_dtypes.items()}}
     log.info("verify cost on this machine (n tokens / 1 token, one token %.1f ms): %s", curve["one_token_ms"],
              ", ".join(f"{n}: {c:.2f}" for n, c in curve["costs"].items()))
     for r in rows:

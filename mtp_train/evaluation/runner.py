@@ -130,7 +130,7 @@ def sampled_that_fit(mean_s: dict[str, float], names: list[str], decodes: int, t
                   "cut": [t for t in temperatures if t not in keep]}
 
 
-QUICK_PROBE_ROUNDS = 3  # the layout and cost-curve timing rounds when a deadline has shortened the decodes
+QUICK_PROBE_ROUNDS = 3  # the layout, cost-curve and drafting timing rounds when a deadline has shortened the decodes
 
 
 def run_modes(backbone, heads, prompts: list[list[int]], cfg, span_policies=None, sim_tau=None,

@@ -188,13 +188,14 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
     return max(0.0, seconds), record
 
 
-def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float,
-                       pending: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float, pending: list[str] | None = None,
+                       calibration_rate: Rate | None = None) -> tuple[list[str], dict[str, str]]:
     """budget.deadline: which of the `pending` span predictors (default: clp.kinds) mtp-clp
     calibrates with `left_s` seconds to the deadline, and why each other pending one is not. Only
     those whose mode eval.modes decodes, and none where the evaluation, sized as mtp-eval will size
     it (`size_eval`) in the time their calibration leaves, would cut those modes: their decodes
-    would be spent on a threshold nothing reads."""
+    would be spent on a threshold nothing reads. `rate` prices the evaluation's decodes,
+    `calibration_rate` (default `rate`) the calibration's, which decode other prompts."""
     pending = list(cfg.clp.kinds) if pending is None else pending
     decoded = decoded_kinds(cfg)
     kinds = [k for k in decoded if k in pending]
@@ -205,7 +206,8 @@ def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float,
     def keeps_span_modes(seconds: float) -> bool:
         return set(decoded_kinds(size_eval(cfg, rate, seconds, defer_sampled=True)[0])) == set(decoded)
 
-    seconds = calibration_decodes(cfg, kinds) * rate.decode_s(cfg.eval.max_new_tokens) * DECODE_OVERHEAD
+    seconds = (calibration_decodes(cfg, kinds) * (calibration_rate or rate).decode_s(cfg.eval.max_new_tokens)
+               * DECODE_OVERHEAD)
     if not keeps_span_modes(left_s):
         cut = f"with {left_s / 60:.1f} min left the evaluation cuts their modes whatever calibration takes"
     elif not keeps_span_modes(left_s - seconds):
@@ -228,10 +230,19 @@ def eval_seconds(cfg: Config, rate: Rate) -> float:
     return predict_after_train(only, rate)["total_s"]
 
 
+def eval_slack_s(cfg: Config) -> float:
+    """Seconds of budget.margin_min an evaluation's greedy decodes may be priced into before sizing
+    cuts a mode or shortens them: half the margin. The price is a probe's: run K of make demo (AVX2
+    EPYC) priced the evaluation with its calibrated clp mode 8 s over the 5.7 min left and cut the
+    mode; the 60 decodes it kept took 4.3 min, so the 20 it cut would have fit."""
+    return 30.0 * cfg.budget.margin_min
+
+
 def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = False) -> tuple[Config, list[str]]:
     """cfg with eval.* cut until mtp-eval's predicted time fits `left_s`, and what was cut, in this
     order: the sampled runs (eval.sampling.temperatures), the modes other than verify and tree, then
-    eval.max_new_tokens down to MIN_EVAL_TOKENS. The prompts are never cut (20 is what makes its
+    eval.max_new_tokens down to MIN_EVAL_TOKENS. It fits when priced within `left_s` plus
+    `eval_slack_s` (half the margin: the price is a probe's, and a mode is worth more than seconds). The prompts are never cut (20 is what makes its
     figures stable). If even that does not fit, it runs so and says by how much it will overrun.
     defer_sampled: where the greedy part fits as asked, the sampled runs stay, for the evaluation to
     decide from its greedy decodes' measured time (evaluation/runner.py, sampled_that_fit): the
@@ -239,6 +250,8 @@ def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = Fals
     import dataclasses
 
     e, cuts = cfg.eval, []
+
+    left_s += eval_slack_s(cfg)
 
     def fits(c: Config) -> bool:
         return eval_seconds(c, rate) <= left_s

@@ -324,23 +324,27 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
 
 def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: list[str]) -> tuple[list[str], dict[str, str]]:
     """budget.deadline: which of the `pending` predictors are worth calibrating before it
-    (budget.kinds_to_calibrate), priced as mtp-eval will price its decodes: at HF generate's rate on
-    the evaluation's typical prompt (the median length of the prompts it will decode; the calibration
-    `prompts` where those cannot be read here). The rate is mtp-train's for this pipeline
-    (heads.json), its prefill scaled to that prompt (`Rate.for_prompt`), where it was measured on
-    this CPU and in the dtype calibration decodes in; else it is measured here on that prompt."""
+    (budget.kinds_to_calibrate). The evaluation is priced as mtp-eval will price it, on the median of
+    the prompts it decodes (the calibration `prompts` where those cannot be read here), and the
+    calibration on the median of its own `prompts`: at the rate mtp-train measured for this pipeline
+    (heads.json), its prefill scaled to each prompt's length (`Rate.for_prompt`), where that was on
+    this CPU, in the dtype calibration decodes in and with the probe's length recorded; else
+    measured here on the evaluation's prompt."""
     from mtp_train.artifacts import read_json
     from mtp_train.evaluation.machine import cpu_model
     from mtp_train.pipeline.budget import Rate, check_deadline, decode_rate, kinds_to_calibrate
     from mtp_train.pipeline.evaluation import select_prompts
 
+    def median(ps: list[list[int]]) -> list[int]:
+        return sorted(ps, key=len)[len(ps) // 2]
+
     check_deadline(cfg.budget.deadline)
     try:
-        typical = sorted(select_prompts(cfg, backbone)[0], key=len)
-    except MtpError as e:
-        log.info("budget.deadline: pricing the evaluation on the calibration prompts (its own: %s)", e)
-        typical = sorted(prompts, key=len)
-    typical = typical[len(typical) // 2]
+        typical = median(select_prompts(cfg, backbone)[0])
+    except Exception as e:  # noqa: BLE001 (a price only: mtp-clp goes on without the evaluation's prompts)
+        log.warning("budget.deadline: the evaluation's prompts could not be read here (%s); its decodes are "
+                    "priced on the calibration prompts", e)
+        typical = median(prompts)
     meta = read_json(Path(cfg.clp.train_run) / layout.HEADS_META) or {}
     record = ((meta.get("recipe") or {}).get("budget") or {})
     probe = record.get("after_train") or {}
@@ -349,7 +353,8 @@ def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: lis
         rate = Rate(float(probe["prefill_s"]), float(probe["token_s"]), int(probe["prompt_tokens"])).for_prompt(len(typical))
     else:
         rate = decode_rate(backbone, typical, backbone.model.dtype)
-    return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min, pending)
+    return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min, pending,
+                              calibration_rate=rate.for_prompt(len(median(prompts))))
 
 
 def run_clp(cfg: Config) -> dict:

@@ -283,18 +283,30 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int], asked: Config | N
     configuration before anything was dropped (drop_uncalibrated), priced for the record as asked."""
     import time
 
-    from mtp_train.pipeline.budget import check_deadline, decode_rate, eval_seconds, size_eval
+    from mtp_train.pipeline.budget import (
+        check_deadline,
+        decode_rate,
+        eval_seconds,
+        eval_slack_s,
+        size_eval,
+        without_sampled,
+    )
 
     check_deadline(cfg.budget.deadline)
     rate = decode_rate(backbone, prompt, backbone.model.dtype)
     left = cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min
     full = eval_seconds(cfg, rate)
     as_asked = full if asked is None else eval_seconds(asked, rate)
+    asked_tokens = (asked or cfg).eval.max_new_tokens
     cfg, cuts = size_eval(cfg, rate, left, defer_sampled=True)
     record = {"left_s": round(left, 1), "token_s": round(rate.token_s, 5), "prefill_s": round(rate.prefill_s, 4),
               "predicted_full_s": round(as_asked, 1), "predicted_s": round(eval_seconds(cfg, rate), 1), "cut": cuts}
     if not cuts and full > left:
         record["sampled_deferred"] = True
+    # the decodes shortened, or already at their floor and still over (the sampled runs, decided later
+    # from the greedy decodes' measured time, do not count): the probes' rounds are minutes too
+    record["shortened"] = (cfg.eval.max_new_tokens < asked_tokens
+                           or eval_seconds(without_sampled(cfg), rate) > left + eval_slack_s(cfg))
     if cuts:
         log.warning("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; cut: %s",
                     left / 60, as_asked / 60, "; ".join(cuts))
@@ -351,9 +363,7 @@ def _run_eval(cfg: Config) -> dict:
              len(prompts), len(cfg.eval.modes), cfg.eval.max_new_tokens, cfg.eval.rounds)
     sim_tau = (meta.get("metrics") or {}).get("val/sim_tau")
     deadline = None if sized is None else cfg.budget.deadline - 60 * cfg.budget.margin_min
-    # the decodes shortened, or already at their floor and still over: the probes' rounds are minutes too
-    shortened = sized is not None and (cfg.eval.max_new_tokens < asked.eval.max_new_tokens
-                                       or sized["predicted_s"] > sized["left_s"])
+    shortened = sized is not None and sized["shortened"]
     report, outputs = run_modes(backbone, heads, prompts, cfg.eval, span_policies=policies, sim_tau=sim_tau,
                                 tree_stats=stats, deadline=deadline, quick_probes=shortened)
     if sized is not None and (fit := report.pop("sampled_fit", None)) is not None:
