@@ -120,6 +120,11 @@ def unseen_conversations(conversations: list[dict], seen: set[str], seed: int) -
     return out
 
 
+def typical_prompt(prompts: list[list[int]]) -> list[int]:
+    """The prompt of median length: the one the deadline's decoding-rate probes price decodes on."""
+    return sorted(prompts, key=len)[len(prompts) // 2]
+
+
 def render_prompts(conversations, tokenizer) -> Iterator[list[int]]:
     """Each conversation rendered up to its first assistant turn (lazily: callers stop early)."""
     from mtp_train.data.template import render_prompt

@@ -238,6 +238,13 @@ def eval_slack_s(cfg: Config) -> float:
     return 30.0 * cfg.budget.margin_min
 
 
+def greedy_overrun_s(cfg: Config, rate: Rate, left_s: float) -> float:
+    """Seconds by which the evaluation's greedy decodes (its sampled runs left out) are priced past
+    `left_s` plus `eval_slack_s`: the test `size_eval` sizes to, and what it reports when even its
+    floor overruns."""
+    return eval_seconds(without_sampled(cfg), rate) - left_s - eval_slack_s(cfg)
+
+
 def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = False) -> tuple[Config, list[str]]:
     """cfg with eval.* cut until mtp-eval's predicted time fits `left_s`, and what was cut, in this
     order: the sampled runs (eval.sampling.temperatures), the modes other than verify and tree, then
@@ -251,10 +258,10 @@ def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = Fals
 
     e, cuts = cfg.eval, []
 
-    left_s += eval_slack_s(cfg)
+    budget_s = left_s + eval_slack_s(cfg)
 
     def fits(c: Config) -> bool:
-        return eval_seconds(c, rate) <= left_s
+        return eval_seconds(c, rate) <= budget_s
 
     def with_eval(**kw) -> Config:
         return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **kw))
@@ -278,6 +285,6 @@ def size_eval(cfg: Config, rate: Rate, left_s: float, defer_sampled: bool = Fals
         if n != cfg.eval.max_new_tokens:
             cuts.append(f"max_new_tokens {cfg.eval.max_new_tokens} -> {n}")
             cfg = with_eval(max_new_tokens=n)
-    if not fits(cfg):
-        cuts.append(f"still {(eval_seconds(cfg, rate) - left_s) / 60:.1f} min over the deadline")
+    if (over := greedy_overrun_s(cfg, rate, left_s)) > 0:  # by here no sampled run is left, or they fit
+        cuts.append(f"still {over / 60:.1f} min over the deadline")
     return cfg, cuts

@@ -332,11 +332,9 @@ def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: lis
     measured here on the evaluation's prompt."""
     from mtp_train.artifacts import read_json
     from mtp_train.evaluation.machine import cpu_model
+    from mtp_train.evaluation.prompts import typical_prompt as median
     from mtp_train.pipeline.budget import Rate, check_deadline, decode_rate, kinds_to_calibrate
     from mtp_train.pipeline.evaluation import select_prompts
-
-    def median(ps: list[list[int]]) -> list[int]:
-        return sorted(ps, key=len)[len(ps) // 2]
 
     check_deadline(cfg.budget.deadline)
     try:

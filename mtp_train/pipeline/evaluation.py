@@ -287,9 +287,8 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int], asked: Config | N
         check_deadline,
         decode_rate,
         eval_seconds,
-        eval_slack_s,
+        greedy_overrun_s,
         size_eval,
-        without_sampled,
     )
 
     check_deadline(cfg.budget.deadline)
@@ -305,8 +304,7 @@ def size_to_deadline(cfg: Config, backbone, prompt: list[int], asked: Config | N
         record["sampled_deferred"] = True
     # the decodes shortened, or already at their floor and still over (the sampled runs, decided later
     # from the greedy decodes' measured time, do not count): the probes' rounds are minutes too
-    record["shortened"] = (cfg.eval.max_new_tokens < asked_tokens
-                           or eval_seconds(without_sampled(cfg), rate) > left + eval_slack_s(cfg))
+    record["shortened"] = cfg.eval.max_new_tokens < asked_tokens or greedy_overrun_s(cfg, rate, left) > 0
     if cuts:
         log.warning("budget.deadline: %.1f min left, the evaluation as asked is predicted to take %.1f; cut: %s",
                     left / 60, as_asked / 60, "; ".join(cuts))
@@ -324,6 +322,7 @@ def _run_eval(cfg: Config) -> dict:
     from mtp_train.artifacts import write_json_atomic
     from mtp_train.backbone import load_backbone
     from mtp_train.evaluation.machine import hf_dtype_probe, machine, resolve_dtype
+    from mtp_train.evaluation.prompts import typical_prompt
     from mtp_train.evaluation.render import print_table, save_report, write_plots
     from mtp_train.evaluation.runner import run_modes
     from mtp_train.heads.persist import load_heads
@@ -356,7 +355,7 @@ def _run_eval(cfg: Config) -> dict:
     if cfg.budget.deadline is not None and prompts:
         asked = cfg
         cfg, dropped = drop_uncalibrated(cfg, policies)
-        cfg, sized = size_to_deadline(cfg, backbone, sorted(prompts, key=len)[len(prompts) // 2], asked)  # a typical one
+        cfg, sized = size_to_deadline(cfg, backbone, typical_prompt(prompts), asked)
         sized["cut"] = [*dropped, *sized["cut"]]
     adapted = adapted_backbone(backbone, prompts, cfg) if heads is not None else None
     log.info("decoding %d prompts x %d modes + HF generate, %d new tokens each, %d timing round(s)",
