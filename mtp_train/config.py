@@ -425,11 +425,17 @@ class ClpConfig:
     thresholds: list[float] = field(default_factory=lambda: [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
     max_repetition_increase: float = 0.02  # calibration bounds against plain greedy decoding
     max_nll_increase: float = 0.10  # nats per token
+    # the bounds hold for the paired per-prompt increase's mean plus this many standard errors
+    # (0: the mean alone, as before; docs/algorithms.md, "CLP")
+    bound_z: float = 1.0
+    # decode the thresholds from the highest down and stop after the first outside the bounds
+    stop_at_failure: bool = True
 
     def __post_init__(self) -> None:
         check(all(0 < t <= 1 for t in self.thresholds) and len(self.thresholds) > 0, "clp.thresholds",
                "must be values in (0, 1]")
         check(self.calib_prompts > 0, "clp.calib_prompts", "must be > 0")
+        check(self.bound_z >= 0, "clp.bound_z", "must be >= 0 (standard errors added to the mean increase)")
         check_choice(self.label_source, LABEL_SOURCES, "clp.label_source")
         check_choice(self.label_split, LABEL_SPLITS, "clp.label_split")
         for kind in self.kinds:

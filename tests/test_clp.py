@@ -150,15 +150,20 @@ def test_a_predictor_json_with_another_kind_is_named_in_one_line(tmp_path):
         load_predictor(tmp_path / "clp", 8, 3)
 
 
+def _row(threshold: float | None, tau: float, rep: list[float], nll: list[float]) -> dict:
+    return {"threshold": threshold, "tau": tau, "tokens_per_s": 10.0, "repetition_per_prompt": rep,
+            "backbone_nll_per_prompt": nll, "repetition_ratio": sum(rep) / len(rep), "backbone_nll": sum(nll) / len(nll)}
+
+
 @pytest.mark.bad_input
 def test_pick_threshold_takes_the_longest_steps_within_bounds_and_refuses_when_none():
     from mtp_train.evaluation.calibration import pick_threshold
 
-    greedy = {"tau": 1.0, "tokens_per_s": 10.0, "repetition_ratio": 0.10, "backbone_nll": 1.00}
-    # lower threshold: more tokens a step, but repetition and NLL grow; the timings are noise
-    # (the fastest measured row is never the one picked)
-    rows = [{"threshold": t, "tau": 1 + 2 * (1 - t), "tokens_per_s": 30 * t,
-             "repetition_ratio": 0.10 + 0.05 * (1 - t), "backbone_nll": 1.0 + 0.3 * (1 - t)}
+    greedy = _row(None, 1.0, [0.10, 0.10], [1.0, 1.0])
+    # lower threshold: more tokens a step, but repetition and NLL grow by the same on both prompts
+    # (no spread, so the standard error is 0); the timings are noise (the fastest measured row is
+    # never the one picked)
+    rows = [{**_row(t, 1 + 2 * (1 - t), [0.10 + 0.05 * (1 - t)] * 2, [1.0 + 0.3 * (1 - t)] * 2), "tokens_per_s": 30 * t}
             for t in (0.9, 0.8, 0.7, 0.6, 0.5)]
     # repetition bound 0.02 allows 1 - t <= 0.4; NLL bound 0.10 allows 1 - t <= 0.333
     assert pick_threshold(rows, greedy, 0.02, 0.10)["threshold"] == 0.7
@@ -167,6 +172,65 @@ def test_pick_threshold_takes_the_longest_steps_within_bounds_and_refuses_when_n
     # equal tau: the more cautious (higher) threshold, whatever the timings say
     flat = [{**r, "tau": 1.5} for r in rows]
     assert pick_threshold(flat, greedy, 0.02, 1.0)["threshold"] == 0.9
+
+
+def test_the_bounds_hold_for_the_paired_mean_plus_z_standard_errors():
+    """Run L's failure: a mean within the bound over a few prompts whose increases spread widely."""
+    import math
+    import statistics
+
+    from mtp_train.evaluation.calibration import judge, paired_increase, pick_threshold
+
+    greedy = _row(None, 1.0, [0.0, 0.05, 0.10], [0.9, 1.3, 0.7])
+    nll = [0.9, 1.3 + 0.27, 0.7 - 0.03]  # increases 0, +0.27, -0.03: mean +0.08, within 0.10
+    risky = _row(0.9, 1.4, [0.0, 0.05, 0.10], nll)
+    d = [0.0, 0.27, -0.03]  # the obvious reference: mean and standard error of the paired differences
+    se = math.sqrt(sum((x - statistics.mean(d)) ** 2 for x in d) / 2) / math.sqrt(3)
+    mean, upper = paired_increase(nll, greedy["backbone_nll_per_prompt"], 1.0)
+    assert mean == pytest.approx(0.08) and upper == pytest.approx(0.08 + se)
+    assert paired_increase(nll, greedy["backbone_nll_per_prompt"], 2.5)[1] == pytest.approx(0.08 + 2.5 * se)
+    # the mean alone (z = 0) passes it; one standard error (~0.09) does not
+    assert pick_threshold([dict(risky)], greedy, 0.02, 0.10, z=0.0)["threshold"] == 0.9
+    assert pick_threshold([dict(risky)], greedy, 0.02, 0.10, z=1.0) is None
+    judged = dict(risky)
+    assert not judge(judged, greedy, 0.02, 0.10, 1.0)
+    assert judged["within_bounds"] is False and judged["nll_increase"] == pytest.approx(0.08)
+    assert judged["repetition_increase"] == judged["repetition_increase_upper"] == 0.0
+    # paired, not two samples: a constant shift passes at any z even though both sides spread widely
+    shifted = _row(0.8, 1.3, [0.0, 0.05, 0.10], [x + 0.05 for x in greedy["backbone_nll_per_prompt"]])
+    assert pick_threshold([shifted], greedy, 0.02, 0.10, z=3.0)["threshold"] == 0.8
+    # one prompt: no standard error to add
+    one = _row(None, 1.0, [0.1], [1.0])
+    assert paired_increase([1.05], one["backbone_nll_per_prompt"], 5.0) == pytest.approx((0.05, 0.05))
+
+
+def test_the_threshold_sweep_stops_after_the_first_threshold_outside_the_bounds(monkeypatch):
+    """Decoded from the most cautious threshold down; the ones after a failure are not decoded."""
+    import mtp_train.evaluation.calibration as cal
+
+    nll_by_threshold = {0.9: 1.02, 0.8: 1.05, 0.7: 1.2, 0.6: 1.01, 0.5: 1.5}  # 0.6 would pass by noise
+    decoded = []
+
+    def fake_measure(decoder, prompts, max_new_tokens, mode, policy=None, bar=None):
+        t = None if policy is None else policy.threshold
+        decoded.append(t)
+        nll = 1.0 if t is None else nll_by_threshold[t]
+        return _row(t, 1.0 if t is None else 2 - t, [0.1, 0.1], [nll, nll]), [[1, 2, 3], [4, 5, 6]]
+
+    monkeypatch.setattr(cal, "measure_decode", fake_measure)
+
+    def passes(row, greedy):
+        return cal.judge(row, greedy, 0.02, 0.10, 1.0)
+
+    greedy, rows = cal.sweep_thresholds(None, LinearCLP(8, 3), [[1], [2]], [0.6, 0.9, 0.5, 0.8, 0.7], 3,
+                                        progress=False, passes=passes)
+    assert decoded == [None, 0.9, 0.8, 0.7]
+    assert [r["threshold"] for r in rows] == [0.9, 0.8, 0.7] and rows[-1]["stopped_after"] == [0.6, 0.5]
+    assert cal.pick_threshold(rows, greedy, 0.02, 0.10)["threshold"] == 0.8
+    decoded.clear()  # without `passes`: every threshold, in the order given
+    _, rows = cal.sweep_thresholds(None, LinearCLP(8, 3), [[1], [2]], [0.6, 0.9, 0.5, 0.8, 0.7], 3, progress=False)
+    assert decoded == [None, 0.6, 0.9, 0.5, 0.8, 0.7] and not any("stopped_after" in r for r in rows)
+    assert cal.pick_threshold(rows, greedy, 0.02, 0.10)["threshold"] == 0.6  # the noisy pass, longer steps
 
 
 class OracleDrafter(ChainScript):

@@ -135,7 +135,8 @@ def calibration_key(cfg: Config, predictor_meta: dict, prompts: list[list[int]])
     c = cfg.clp
     return config_hash({"fit": predictor_meta.get("fit_hash"), "heads": predictor_meta.get("heads_sha256"),
                         "prompts": config_hash(prompts), "thresholds": list(c.thresholds),
-                        "bounds": [c.max_repetition_increase, c.max_nll_increase],
+                        "bounds": [c.max_repetition_increase, c.max_nll_increase], "bound_z": c.bound_z,
+                        "stop_at_failure": c.stop_at_failure,
                         "max_new_tokens": cfg.eval.max_new_tokens})
 
 
@@ -264,7 +265,12 @@ def sealed(meta: dict, where: Path) -> bool:
 def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256, read_manifest, write_json_atomic
     from mtp_train.clp import calibration_seal, load_predictor
-    from mtp_train.evaluation.calibration import measure_decode, pick_threshold, sweep_thresholds
+    from mtp_train.evaluation.calibration import (
+        judge,
+        measure_decode,
+        pick_threshold,
+        sweep_thresholds,
+    )
     from mtp_train.layout import PREDICTOR_META
 
     e = cfg.eval
@@ -303,17 +309,29 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     if not todo:
         return results
     reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
+    c = cfg.clp
+    bounds = (c.max_repetition_increase, c.max_nll_increase, c.bound_z)
     for kind, pred, meta, key in todo:
-        greedy, rows = sweep_thresholds(decoder, pred, prompts, list(cfg.clp.thresholds), e.max_new_tokens,
-                                 greedy=reference)
-        best = pick_threshold(rows, greedy, cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
+        greedy, rows = sweep_thresholds(decoder, pred, prompts, list(c.thresholds), e.max_new_tokens,
+                                        greedy=reference,
+                                        passes=(lambda row, ref: judge(row, ref, *bounds)) if c.stop_at_failure else None)
+        best = pick_threshold(rows, greedy, *bounds)
+        for row in rows:
+            log.info("%s: threshold %.2f: tau %.2f, NLL %+.3f (+ %.1f SE: %+.3f), repetition %+.3f (%+.3f) over "
+                     "greedy on %d prompts: %s", kind, row["threshold"], row["tau"], row["nll_increase"], c.bound_z,
+                     row["nll_increase_upper"], row["repetition_increase"], row["repetition_increase_upper"],
+                     len(prompts), "within the bounds" if row["within_bounds"] else "outside the bounds")
+            if row.get("stopped_after"):
+                log.info("%s: thresholds %s not decoded: they commit more drafts than %.2f, which failed", kind,
+                         row["stopped_after"], row["threshold"])
         if best is None:
             log.warning("%s: no threshold in %s keeps repetition within greedy + %.2f and NLL within greedy "
-                        "+ %.2f nats; keeping threshold = 1.0 (accept no draft)", kind, list(cfg.clp.thresholds),
-                        cfg.clp.max_repetition_increase, cfg.clp.max_nll_increase)
+                        "+ %.2f nats (paired mean + %.1f standard errors over %d prompts); keeping threshold = 1.0 "
+                        "(accept no draft)", kind, list(c.thresholds), c.max_repetition_increase,
+                        c.max_nll_increase, c.bound_z, len(prompts))
         meta.update(threshold=best["threshold"] if best else 1.0, calibrated=best is not None, calibration_hash=key,
-                    bounds={"max_repetition_increase": cfg.clp.max_repetition_increase,
-                            "max_nll_increase": cfg.clp.max_nll_increase},
+                    bounds={"max_repetition_increase": c.max_repetition_increase,
+                            "max_nll_increase": c.max_nll_increase, "bound_z": c.bound_z},
                     calibration={"greedy": greedy, "thresholds": rows, "n_prompts": len(prompts)})
         meta["seal"] = calibration_seal(meta)
         write_json_atomic(out / kind / PREDICTOR_META, meta)
