@@ -200,6 +200,23 @@ def predictor_problem(meta: dict, pred_dir: Path, heads: dict | None, heads_sha2
     return None
 
 
+def calibration_figures(meta: dict, threshold: float | None = None) -> str:
+    """The calibration behind a predictor's verdict, as the report prints it: for `threshold` (else
+    the last one decoded, where the sweep stopped) its tau and its NLL and repetition increases over
+    greedy (with the standard errors the test added), and the prompts; "" without a record of them."""
+    cal = meta.get("calibration") or {}
+    rows = cal.get("thresholds") or []
+    row = next((r for r in rows if r.get("threshold") == threshold), None) if threshold is not None else (
+        rows[-1] if rows else None)
+    if row is None or "nll_increase" not in row:
+        return ""
+    z = (meta.get("bounds") or {}).get("bound_z")
+    plus = f" with {z:g} SE" if z else ""
+    return (f" (at {row['threshold']:.2f}: tau {row['tau']:.2f}, NLL {row['nll_increase']:+.3f} "
+            f"({row['nll_increase_upper']:+.3f}{plus}), repetition {row['repetition_increase']:+.3f} "
+            f"({row['repetition_increase_upper']:+.3f}) over greedy on {cal.get('n_prompts', '?')} prompts)")
+
+
 def _predictor_metas(clp_root: Path, heads: dict | None, heads_sha256: str | None) -> dict:
     """kind -> predictor.json for each predictor directory under clp/ (one without it: {"problem": why}),
     with `problem` (predictor_problem) and calibrated=False where it cannot serve these heads, and
@@ -476,7 +493,12 @@ def _write_report(root: Path) -> Path:
         def calibrated(m: dict) -> str:
             if m.get("problem"):
                 return f"no: {m['problem']}"
-            return "yes" if m.get("calibrated") else "no threshold met the bounds: accepts nothing extra"
+            if m.get("calibrated"):
+                return "yes" + calibration_figures(m, m.get("threshold"))
+            if "calibration" in m:
+                return "no threshold met the bounds, accepts nothing extra" + calibration_figures(m)
+            why = f" ({m['not_calibrated']})" if m.get("not_calibrated") else ""
+            return f"not calibrated{why}: accepts nothing extra"
 
         md += ["## Span-length predictors", "", "| predictor | parameters | threshold | calibrated |", "|---|---|---|---|"]
         md += [f"| {k} | {_fmt(m.get('parameters'), thousands=True)} | "

@@ -345,7 +345,9 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert "decodes no mode" in dl["calibrate"]["gate"]["not_calibrated"]
     gate = json.loads((root / "clp_dl" / "gate" / "predictor.json").read_text())
     assert gate["calibrated"] is False and gate["threshold"] == 1.0 and "calibration" not in gate
-    assert "calibration" in json.loads((root / "clp_dl" / "clp" / "predictor.json").read_text())
+    assert gate["not_calibrated"] == dl["calibrate"]["gate"]["not_calibrated"]  # the report says why
+    calibrated = json.loads((root / "clp_dl" / "clp" / "predictor.json").read_text())
+    assert "calibration" in calibrated and "not_calibrated" not in calibrated
     # a predictor calibrated for other settings, then left uncalibrated by the deadline, loses that
     # threshold (mtp-eval would decode it as calibrated)
     assert "calibration" in json.loads((root / "clp" / "clp" / "predictor.json").read_text())
@@ -356,6 +358,7 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     for kind in ("clp", "gate"):
         meta = json.loads((root / "clp" / kind / "predictor.json").read_text())
         assert meta["calibrated"] is False and meta["threshold"] == 1.0 and "calibration" not in meta
+        assert meta["not_calibrated"] == skipped["calibrate"][kind]["not_calibrated"]
     # eval.span_threshold maps the trade-off at a threshold of one's choosing; clp+verify stays lossless
     report = run_eval(_eval_cfg(root, "eval.modes=[greedy,clp,clp+verify]", f"eval.clp_run={root}/clp",
                                 "eval.span_threshold=0.05"))

@@ -304,6 +304,25 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     assert "not calibrated (accepts nothing) | **no** |" in page
     # an edited threshold: the page says so on its row instead of failing the report
     assert "no: the threshold or its calibration record was changed" in page_with(threshold=0.7)
+    # why a predictor accepts nothing: the threshold its calibration stopped at, with the figures that
+    # failed it; or why it was never calibrated (run M's gate read "no threshold met the bounds")
+    row = {"threshold": 0.95, "tau": 1.07, "nll_increase": 0.249, "nll_increase_upper": 0.372,
+           "repetition_increase": -0.004, "repetition_increase_upper": 0.0, "stopped_after": [0.9, 0.8]}
+    failed = {"threshold": 1.0, "calibrated": False, "bounds": {"bound_z": 1.0},
+              "calibration": {"greedy": {}, "thresholds": [row], "n_prompts": 6}}
+    page = page_with(**failed, seal=calibration_seal({**meta, **failed}))
+    assert ("| clp | 3 | 1.00 | no threshold met the bounds, accepts nothing extra (at 0.95: tau 1.07, NLL +0.249 "
+            "(+0.372 with 1 SE), repetition -0.004 (+0.000) over greedy on 6 prompts) |") in page
+    passed = {**failed, "threshold": 0.95, "calibrated": True}
+    page = page_with(**passed, seal=calibration_seal({**meta, **passed}))
+    assert "| clp | 3 | 0.95 | yes (at 0.95: tau 1.07, NLL +0.249" in page
+    skipped = {"threshold": 1.0, "calibrated": False, "not_calibrated": "eval.modes ['tree'] decodes no mode of it"}
+    page = page_with(**skipped, seal=calibration_seal({**meta, **skipped}))
+    assert "| clp | 3 | 1.00 | not calibrated (eval.modes ['tree'] decodes no mode of it): accepts nothing extra |" in page
+    # a record from before the per-prompt test: the verdict alone
+    old = {**failed, "calibration": {"thresholds": [{"threshold": 0.95, "tau": 1.07}], "n_prompts": 3}}
+    page = page_with(**old, seal=calibration_seal({**meta, **old}))
+    assert "| clp | 3 | 1.00 | no threshold met the bounds, accepts nothing extra |" in page
     # a predictor directory without its predictor.json was left off the page
     (pred / "predictor.json").unlink()
     assert "| clp | - | - | no: predictor.json is missing" in write_report(tmp_path).read_text()

@@ -301,7 +301,8 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                     meta.pop(key, None)
                 meta.update(threshold=1.0, calibrated=False)
                 meta["seal"] = calibration_seal(meta)
-                write_json_atomic(out / kind / PREDICTOR_META, meta)
+            meta["not_calibrated"] = why[kind]  # for the report (outside the seal: it decides nothing)
+            write_json_atomic(out / kind / PREDICTOR_META, meta)
             log.warning("budget.deadline: %s not calibrated (threshold 1.0: commits no draft unverified): %s", kind,
                         why[kind])
             results[kind] = {"threshold": 1.0, "skipped": True, "not_calibrated": why[kind]}
@@ -329,6 +330,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                         "+ %.2f nats (paired mean + %.1f standard errors over %d prompts); keeping threshold = 1.0 "
                         "(accept no draft)", kind, list(c.thresholds), c.max_repetition_increase,
                         c.max_nll_increase, c.bound_z, len(prompts))
+        meta.pop("not_calibrated", None)
         meta.update(threshold=best["threshold"] if best else 1.0, calibrated=best is not None, calibration_hash=key,
                     bounds={"max_repetition_increase": c.max_repetition_increase,
                             "max_nll_increase": c.max_nll_increase, "bound_z": c.bound_z},
