@@ -202,12 +202,13 @@ def predictor_problem(meta: dict, pred_dir: Path, heads: dict | None, heads_sha2
 
 def calibration_figures(meta: dict, threshold: float | None = None) -> str:
     """The calibration behind a predictor's verdict, as the report prints it: for `threshold` (else
-    the last one decoded, where the sweep stopped) its tau and its NLL and repetition increases over
-    greedy (with the standard errors the test added), and the prompts; "" without a record of them."""
+    the most cautious one decoded: where a sweep from the highest down stopped) its tau and its NLL
+    and repetition increases over greedy (with the standard errors the test added), and the prompts;
+    "" without a record of them."""
     cal = meta.get("calibration") or {}
-    rows = cal.get("thresholds") or []
-    row = next((r for r in rows if r.get("threshold") == threshold), None) if threshold is not None else (
-        rows[-1] if rows else None)
+    rows = [r for r in cal.get("thresholds") or [] if r.get("threshold") is not None]
+    row = (next((r for r in rows if r["threshold"] == threshold), None) if threshold is not None
+           else max(rows, key=lambda r: r["threshold"], default=None))
     if row is None or "nll_increase" not in row:
         return ""
     z = (meta.get("bounds") or {}).get("bound_z")

@@ -474,3 +474,22 @@ def test_a_refit_drops_only_predictors_that_say_they_were_fitted_on_other_heads(
     assert drop_stale_predictors(tmp_path, "a" * 64, ["clp"]) == ["gate"] and not d.exists()
     gate({"heads_sha256": "b" * 64})
     assert drop_stale_predictors(tmp_path, "a" * 64, ["clp", "gate"]) == []  # refitted: not this function's
+
+
+def test_a_calibration_is_redone_for_other_noise_settings_but_not_for_reordered_thresholds(typed_cfg):
+    """calibration_key: bound_z and stop_at_failure change what passes; the order of the thresholds
+    does not when they are decoded from the highest down anyway."""
+    from mtp_train.pipeline.clp_run import calibration_key
+
+    meta, prompts = {"fit_hash": "f", "heads_sha256": "h"}, [[1, 2, 3]]
+
+    def key(*overrides):
+        return calibration_key(typed_cfg(*overrides), meta, prompts)
+
+    base = key("clp.thresholds=[0.9,0.8]")
+    assert key("clp.thresholds=[0.8,0.9]") == base
+    assert key("clp.thresholds=[0.9,0.8]", "clp.bound_z=0") != base
+    assert key("clp.thresholds=[0.9,0.8]", "clp.stop_at_failure=false") != base
+    # every threshold decoded in the order given: the order is part of the record
+    assert (key("clp.thresholds=[0.8,0.9]", "clp.stop_at_failure=false")
+            != key("clp.thresholds=[0.9,0.8]", "clp.stop_at_failure=false"))

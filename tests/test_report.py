@@ -309,7 +309,8 @@ def test_the_report_checks_a_predictor_as_mtp_eval_does_before_calling_it_calibr
     row = {"threshold": 0.95, "tau": 1.07, "nll_increase": 0.249, "nll_increase_upper": 0.372,
            "repetition_increase": -0.004, "repetition_increase_upper": 0.0, "stopped_after": [0.9, 0.8]}
     failed = {"threshold": 1.0, "calibrated": False, "bounds": {"bound_z": 1.0},
-              "calibration": {"greedy": {}, "thresholds": [row], "n_prompts": 6}}
+              "calibration": {"greedy": {}, "thresholds": [{**row, "threshold": 0.8, "tau": 1.3}, row], "n_prompts": 6}}
+    # (every threshold decoded, in the configured order: the most cautious failure is the one shown)
     page = page_with(**failed, seal=calibration_seal({**meta, **failed}))
     assert ("| clp | 3 | 1.00 | no threshold met the bounds, accepts nothing extra (at 0.95: tau 1.07, NLL +0.249 "
             "(+0.372 with 1 SE), repetition -0.004 (+0.000) over greedy on 6 prompts) |") in page

@@ -9,5 +9,5 @@ Import from the modules themselves; this package re-exports nothing.
     planning     the trees to verify: grown from rank statistics, sized by this machine's costs
     machine      the CPU, eval.dtype resolved for it, HF generate timed in both dtypes
     render       the console table, the figures, eval_report.json
-    calibration  a span predictor's threshold, chosen by decoding at each candidate
+    calibration  a span predictor's threshold, chosen by decoding the candidates, tested with their noise
 """

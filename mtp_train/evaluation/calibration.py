@@ -1,7 +1,8 @@
 """Calibrating a span predictor's threshold (docs/algorithms.md, "CLP"): decode held-out prompts
-greedily and in mode clp at each candidate threshold, measure speed and the quality signals, and
-take the threshold that commits the most tokens per step while its output stays within bounds of
-plain greedy decoding.
+greedily and in mode clp at the candidate thresholds (from the most cautious down, until one fails),
+measure speed and the quality signals per prompt, and take the threshold that commits the most
+tokens per step while its output stays within bounds of plain greedy decoding, tested on the paired
+per-prompt increases with their standard error.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def sweep_thresholds(decoder, predictor: SpanPredictor, prompts: list[list[int]]
         rows.append(row)
         if passes is not None and not passes(row, figures) and i + 1 < len(thresholds):
             row["stopped_after"] = thresholds[i + 1:]
+            bar.total -= len(prompts) * len(row["stopped_after"])  # the bar ends full
+            bar.refresh()
             break
     bar.close()
     return figures, rows

@@ -134,7 +134,9 @@ def calibration_key(cfg: Config, predictor_meta: dict, prompts: list[list[int]])
 
     c = cfg.clp
     return config_hash({"fit": predictor_meta.get("fit_hash"), "heads": predictor_meta.get("heads_sha256"),
-                        "prompts": config_hash(prompts), "thresholds": list(c.thresholds),
+                        "prompts": config_hash(prompts),
+                        # decoded from the highest down when stopping at a failure: their order then changes nothing
+                        "thresholds": sorted(c.thresholds) if c.stop_at_failure else list(c.thresholds),
                         "bounds": [c.max_repetition_increase, c.max_nll_increase], "bound_z": c.bound_z,
                         "stop_at_failure": c.stop_at_failure,
                         "max_new_tokens": cfg.eval.max_new_tokens})
@@ -318,7 +320,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                                         passes=(lambda row, ref: judge(row, ref, *bounds)) if c.stop_at_failure else None)
         best = pick_threshold(rows, greedy, *bounds)
         for row in rows:
-            log.info("%s: threshold %.2f: tau %.2f, NLL %+.3f (+ %.1f SE: %+.3f), repetition %+.3f (%+.3f) over "
+            log.info("%s: threshold %.2f: tau %.2f, NLL %+.3f (+ %g SE: %+.3f), repetition %+.3f (%+.3f) over "
                      "greedy on %d prompts: %s", kind, row["threshold"], row["tau"], row["nll_increase"], c.bound_z,
                      row["nll_increase_upper"], row["repetition_increase"], row["repetition_increase_upper"],
                      len(prompts), "within the bounds" if row["within_bounds"] else "outside the bounds")
@@ -327,7 +329,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                          row["stopped_after"], row["threshold"])
         if best is None:
             log.warning("%s: no threshold in %s keeps repetition within greedy + %.2f and NLL within greedy "
-                        "+ %.2f nats (paired mean + %.1f standard errors over %d prompts); keeping threshold = 1.0 "
+                        "+ %.2f nats (paired mean + %g standard errors over %d prompts); keeping threshold = 1.0 "
                         "(accept no draft)", kind, list(c.thresholds), c.max_repetition_increase,
                         c.max_nll_increase, c.bound_z, len(prompts))
         meta.pop("not_calibrated", None)
