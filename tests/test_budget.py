@@ -283,13 +283,14 @@ def test_decodes_after_training_count_every_mode_prompt_round_and_threshold(type
     cfg = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "eval.n_prompts=20", "eval.rounds=2",
                     "eval.modes=[verify,tree,clp]", "eval.sampling.temperatures=[1.0]", "clp.calib_prompts=3",
                     "clp.thresholds=[0.9,0.8]")
+    # clp: 3 prompts x (greedy + the first threshold; the sweep stops at a failure);
     # eval: 20 prompts x 2 rounds x (HF + 3 modes + HF sampled + verify and tree sampled) + the dtype probe
-    assert decodes_after_train(cfg) == {"clp": 3 * 3, "eval": 20 * 2 * (4 + 3) + 4}
+    assert decodes_after_train(cfg) == {"clp": 3 * 2, "eval": 20 * 2 * (4 + 3) + 4}
     from mtp_train.pipeline.budget import DECODE_OVERHEAD, STAGE_FIXED_S, Rate
 
     p = predict_after_train(cfg, Rate(prefill_s=0.5, token_s=0.1))
     one = 0.5 + (cfg.eval.max_new_tokens - 1) * 0.1  # a prefill (with the first token), then the rest
-    assert p["total_s"] == pytest.approx((9 + 284) * one * DECODE_OVERHEAD + 2 * STAGE_FIXED_S * 2, abs=0.2)
+    assert p["total_s"] == pytest.approx((6 + 284) * one * DECODE_OVERHEAD + 2 * STAGE_FIXED_S * 2, abs=0.2)
     assert decodes_after_train(typed_cfg(*FAST)) == {}
 
 
@@ -299,7 +300,11 @@ def test_calibration_is_priced_for_the_predictors_the_evaluation_decodes(typed_c
     base = (*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]")
     both = typed_cfg(*base, "eval.modes=[verify,clp,gate]")
     assert decoded_kinds(both) == ["clp", "gate"]
-    assert decodes_after_train(both)["clp"] == calibration_decodes(both, ["clp", "gate"]) == 3 * (1 + 2 * 2)
+    # the greedy reference and each kind's first threshold: the sweep stops at a failure, and the
+    # further thresholds are decoded while the deadline leaves the time (calibration_room)
+    assert decodes_after_train(both)["clp"] == calibration_decodes(both, ["clp", "gate"]) == 3 * (1 + 1 * 2)
+    every = typed_cfg(*base, "eval.modes=[verify,clp,gate]", "clp.stop_at_failure=false")
+    assert decodes_after_train(every)["clp"] == calibration_decodes(every, ["clp", "gate"]) == 3 * (1 + 2 * 2)
     assert decoded_kinds(typed_cfg(*base, "eval.modes=[verify,clp+verify]")) == ["clp"]
     none = typed_cfg(*base, "eval.modes=[verify,tree]")
     assert decoded_kinds(none) == [] and decodes_after_train(none)["clp"] == 0
@@ -452,6 +457,41 @@ def test_under_a_deadline_clp_calibrates_only_what_the_evaluation_will_still_dec
     left = eval_seconds(both, rate) + (one + two) / 2  # enough for one kind's thresholds, not two
     assert kinds_to_calibrate(both, rate, left, pending=["gate"]) == (["gate"], {})
     assert kinds_to_calibrate(both, rate, left)[0] == []
+
+
+def test_a_further_threshold_is_decoded_only_where_it_leaves_the_evaluation_its_modes(typed_cfg):
+    """calibration_room prices `decodes` more calibration decodes from now as kinds_to_calibrate
+    prices them at the start, and sweep_rule stops the sweep on it, keeping the row as a candidate."""
+    from mtp_train.evaluation.calibration import pick_threshold
+    from mtp_train.pipeline.budget import Rate, calibration_room, calibration_seconds, eval_seconds
+    from mtp_train.pipeline.clp_run import sweep_rule
+
+    deadline = 10_000.0
+    cfg = typed_cfg(*FAST, "budget.after_train=[clp,eval]", "clp.calib_prompts=3", "clp.thresholds=[0.9,0.8]",
+                    "eval.n_prompts=20", "eval.max_new_tokens=48", "eval.modes=[verify,tree,clp]",
+                    "eval.sampling.temperatures=[0]", "budget.margin_min=0", f"budget.deadline={deadline}")
+    rate, slow = Rate(prefill_s=0.3, token_s=0.1), Rate(prefill_s=3.0, token_s=0.1)
+    need, three = eval_seconds(cfg, rate), calibration_seconds(cfg, 3, rate)
+    now = deadline - need - three - 1  # room for 3 more decodes, not 6
+    room = calibration_room(cfg, rate, clock=lambda: now)
+    assert room(3) and not room(6)
+    assert not calibration_room(cfg, rate, slow, clock=lambda: now)(3)  # priced at the calibration's own rate
+    assert not calibration_room(cfg, rate, clock=lambda: now + 5)(3)  # seconds later, no longer
+
+    greedy = {"repetition_per_prompt": [0.1, 0.1], "backbone_nll_per_prompt": [1.0, 1.0]}
+
+    def row(t, nll):
+        return {"threshold": t, "tau": 2 - t, "repetition_per_prompt": [0.1, 0.1], "backbone_nll_per_prompt": [nll, nll]}
+
+    bounds = (0.02, 0.1, 1.0)
+    within, outside = row(0.9, 1.05), row(0.9, 1.5)
+    assert sweep_rule(bounds)(dict(within), greedy) and not sweep_rule(bounds)(dict(outside), greedy)
+    assert sweep_rule(bounds, room, 3)(within, greedy) and "stopped_by_deadline" not in within
+    late = row(0.9, 1.05)
+    assert not sweep_rule(bounds, room, 6)(late, greedy) and late["stopped_by_deadline"]
+    assert pick_threshold([late], greedy, *bounds)["threshold"] == 0.9  # within the bounds: still chosen
+    failed = row(0.9, 1.5)
+    assert not sweep_rule(bounds, room, 6)(failed, greedy) and "stopped_by_deadline" not in failed
 
 
 @pytest.mark.bad_input

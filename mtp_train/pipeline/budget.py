@@ -53,11 +53,16 @@ def decoded_kinds(cfg: Config) -> list[str]:
 
 
 def calibration_decodes(cfg: Config, kinds: list[str]) -> int:
-    """mtp-clp's calibration decodes of eval.max_new_tokens for `kinds`: one greedy reference per
-    prompt, shared, and one decode per prompt and threshold for each kind."""
+    """mtp-clp's calibration decodes of eval.max_new_tokens for `kinds` that the deadline must leave
+    room for: one greedy reference per prompt, shared, and per kind one decode per prompt for each
+    threshold; for the first threshold only where the sweep stops at a failure (clp.stop_at_failure):
+    that one decides whether any passes, and the further ones are decoded while the deadline leaves
+    the time (`calibration_room`). The demo's first threshold has failed in every run since the
+    bounds were tested with their noise, and the reserve for the rest went unused."""
     if not kinds:
         return 0
-    return cfg.clp.calib_prompts * (1 + len(cfg.clp.thresholds) * len(kinds))
+    per_kind = 1 if cfg.clp.stop_at_failure else len(cfg.clp.thresholds)
+    return cfg.clp.calib_prompts * (1 + per_kind * len(kinds))
 
 
 def decodes_after_train(cfg: Config) -> dict[str, int]:
@@ -188,6 +193,26 @@ def deadline_training_seconds(cfg: Config, backbone, prompt: list[int], now: flo
     return max(0.0, seconds), record
 
 
+def keeps_span_modes_in(cfg: Config, rate: Rate, seconds: float) -> bool:
+    """Whether mtp-eval, sized (`size_eval`) into `seconds`, keeps every span-predictor mode it asks for."""
+    return set(decoded_kinds(size_eval(cfg, rate, seconds, defer_sampled=True)[0])) == set(decoded_kinds(cfg))
+
+
+def calibration_seconds(cfg: Config, decodes: int, rate: Rate) -> float:
+    """The predicted time of `decodes` calibration decodes of eval.max_new_tokens at `rate`."""
+    return decodes * rate.decode_s(cfg.eval.max_new_tokens) * DECODE_OVERHEAD
+
+
+def calibration_room(cfg: Config, rate: Rate, calibration_rate: Rate | None = None, clock=time.time):
+    """budget.deadline: f(decodes) -> whether `decodes` more calibration decodes, started now, leave
+    the evaluation its span modes (as `kinds_to_calibrate` decides at the start); mtp-clp asks it
+    before each threshold after the first (clp.stop_at_failure)."""
+    def room(decodes: int) -> bool:
+        left = cfg.budget.deadline - clock() - 60 * cfg.budget.margin_min
+        return keeps_span_modes_in(cfg, rate, left - calibration_seconds(cfg, decodes, calibration_rate or rate))
+    return room
+
+
 def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float, pending: list[str] | None = None,
                        calibration_rate: Rate | None = None) -> tuple[list[str], dict[str, str]]:
     """budget.deadline: which of the `pending` span predictors (default: clp.kinds) mtp-clp
@@ -204,10 +229,9 @@ def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float, pending: list[str
         return [], why
 
     def keeps_span_modes(seconds: float) -> bool:
-        return set(decoded_kinds(size_eval(cfg, rate, seconds, defer_sampled=True)[0])) == set(decoded)
+        return keeps_span_modes_in(cfg, rate, seconds)
 
-    seconds = (calibration_decodes(cfg, kinds) * (calibration_rate or rate).decode_s(cfg.eval.max_new_tokens)
-               * DECODE_OVERHEAD)
+    seconds = calibration_seconds(cfg, calibration_decodes(cfg, kinds), calibration_rate or rate)
     if not keeps_span_modes(left_s):
         cut = f"with {left_s / 60:.1f} min left the evaluation cuts their modes whatever calibration takes"
     elif not keeps_span_modes(left_s - seconds):

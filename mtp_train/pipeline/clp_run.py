@@ -268,7 +268,6 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     from mtp_train.artifacts import file_sha256, read_manifest, write_json_atomic
     from mtp_train.clp import calibration_seal, load_predictor
     from mtp_train.evaluation.calibration import (
-        judge,
         measure_decode,
         pick_threshold,
         sweep_thresholds,
@@ -281,7 +280,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     if not prompts:
         raise MtpError(f"{out / layout.LABELS}: no prompt to calibrate on (none of the labelled rows was held "
                        "out of the fit); raise clp.val_fraction or distil more validation prompts")
-    results, todo = {}, []
+    results, todo, room = {}, [], None
     heads_hash = file_sha256(Path(cfg.clp.train_run) / layout.HEADS_FILE)
     for kind in cfg.clp.kinds:
         pred, meta = load_predictor(out / kind, backbone.hidden_size, heads.k, backbone.name, kind)
@@ -296,7 +295,7 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
         else:
             todo.append((kind, pred, meta, key))
     if todo and cfg.budget.deadline is not None:
-        chosen, why = deadline_kinds(cfg, backbone, prompts, [t[0] for t in todo])
+        chosen, why, room = deadline_kinds(cfg, backbone, prompts, [t[0] for t in todo])
         for kind, _, meta, _ in [t for t in todo if t[0] not in chosen]:
             if meta.get("calibrated") or "calibration" in meta:  # calibrated for other settings: not for these
                 for key in ("calibration", "calibration_hash", "bounds"):
@@ -314,17 +313,21 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     reference = measure_decode(decoder, prompts, e.max_new_tokens, "greedy")  # shared by every kind
     c = cfg.clp
     bounds = (c.max_repetition_increase, c.max_nll_increase, c.bound_z)
-    for kind, pred, meta, key in todo:
+    for i, (kind, pred, meta, key) in enumerate(todo):
+        # the next threshold, and the first of each kind after this one, must leave the evaluation its modes
+        passes = sweep_rule(bounds, room, len(prompts) * (len(todo) - i)) if c.stop_at_failure else None
         greedy, rows = sweep_thresholds(decoder, pred, prompts, list(c.thresholds), e.max_new_tokens,
-                                        greedy=reference,
-                                        passes=(lambda row, ref: judge(row, ref, *bounds)) if c.stop_at_failure else None)
+                                        greedy=reference, passes=passes)
         best = pick_threshold(rows, greedy, *bounds)
         for row in rows:
             log.info("%s: threshold %.2f: tau %.2f, NLL %+.3f (+ %g SE: %+.3f), repetition %+.3f (%+.3f) over "
                      "greedy on %d prompts: %s", kind, row["threshold"], row["tau"], row["nll_increase"], c.bound_z,
                      row["nll_increase_upper"], row["repetition_increase"], row["repetition_increase_upper"],
                      len(prompts), "within the bounds" if row["within_bounds"] else "outside the bounds")
-            if row.get("stopped_after"):
+            if row.get("stopped_after") and row.get("stopped_by_deadline"):
+                log.info("%s: thresholds %s not decoded: budget.deadline leaves no time for them", kind,
+                         row["stopped_after"])
+            elif row.get("stopped_after"):
                 log.info("%s: thresholds %s not decoded: they commit more drafts than %.2f, which failed", kind,
                          row["stopped_after"], row["threshold"])
         if best is None:
@@ -344,9 +347,28 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
     return results
 
 
-def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: list[str]) -> tuple[list[str], dict[str, str]]:
+def sweep_rule(bounds: tuple[float, float, float], room=None, next_decodes: int = 0):
+    """The calibration sweep's `passes(row, greedy)` (clp.stop_at_failure): the row is within the
+    bounds (`judge`, with bounds = (max repetition increase, max NLL increase, z)), and, under a
+    deadline, `room(next_decodes)` says the next threshold's decodes still leave the evaluation its
+    modes (`budget.calibration_room`); a row stopped by the deadline alone is marked
+    `stopped_by_deadline` and stays a candidate."""
+    from mtp_train.evaluation.calibration import judge
+
+    def passes(row: dict, greedy: dict) -> bool:
+        if not judge(row, greedy, *bounds):
+            return False
+        if room is not None and not room(next_decodes):
+            row["stopped_by_deadline"] = True
+            return False
+        return True
+    return passes
+
+
+def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: list[str]):
     """budget.deadline: which of the `pending` predictors are worth calibrating before it
-    (budget.kinds_to_calibrate). The evaluation is priced as mtp-eval will price it, on the median of
+    (budget.kinds_to_calibrate), why each other one is not, and `budget.calibration_room` at the same
+    prices, which the sweep asks before each threshold after the first. The evaluation is priced as mtp-eval will price it, on the median of
     the prompts it decodes (the calibration `prompts` where those cannot be read here), and the
     calibration on the median of its own `prompts`: at the rate mtp-train measured for this pipeline
     (heads.json), its prefill scaled to each prompt's length (`Rate.for_prompt`), where that was on
@@ -355,7 +377,13 @@ def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: lis
     from mtp_train.artifacts import read_json
     from mtp_train.evaluation.machine import cpu_model
     from mtp_train.evaluation.prompts import typical_prompt as median
-    from mtp_train.pipeline.budget import Rate, check_deadline, decode_rate, kinds_to_calibrate
+    from mtp_train.pipeline.budget import (
+        Rate,
+        calibration_room,
+        check_deadline,
+        decode_rate,
+        kinds_to_calibrate,
+    )
     from mtp_train.pipeline.evaluation import select_prompts
 
     check_deadline(cfg.budget.deadline)
@@ -373,8 +401,10 @@ def deadline_kinds(cfg: Config, backbone, prompts: list[list[int]], pending: lis
         rate = Rate(float(probe["prefill_s"]), float(probe["token_s"]), int(probe["prompt_tokens"])).for_prompt(len(typical))
     else:
         rate = decode_rate(backbone, typical, backbone.model.dtype)
-    return kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min, pending,
-                              calibration_rate=rate.for_prompt(len(median(prompts))))
+    calibration_rate = rate.for_prompt(len(median(prompts)))
+    chosen, why = kinds_to_calibrate(cfg, rate, cfg.budget.deadline - time.time() - 60 * cfg.budget.margin_min,
+                                     pending, calibration_rate=calibration_rate)
+    return chosen, why, calibration_room(cfg, rate, calibration_rate)
 
 
 def run_clp(cfg: Config) -> dict:
