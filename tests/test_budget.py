@@ -492,6 +492,28 @@ def test_a_further_threshold_is_decoded_only_where_it_leaves_the_evaluation_its_
     assert pick_threshold([late], greedy, *bounds)["threshold"] == 0.9  # within the bounds: still chosen
     failed = row(0.9, 1.5)
     assert not sweep_rule(bounds, room, 6)(failed, greedy) and "stopped_by_deadline" not in failed
+    # a sweep the deadline cut short is not saved under its settings' key: a rerun with time decodes the rest
+    from mtp_train.pipeline.clp_run import reusable_key
+
+    assert reusable_key("k", [{**late, "stopped_after": [0.8]}]) is None
+    assert reusable_key("k", [{**failed, "stopped_after": [0.8]}]) == "k"  # stopped by a failure: complete
+    assert reusable_key("k", [within, row(0.8, 1.05)]) == "k"
+
+
+def test_the_sweep_asks_nothing_after_its_last_threshold(monkeypatch):
+    """passes (and with it the deadline's room) is asked only where another threshold would follow."""
+    import mtp_train.evaluation.calibration as cal
+    from mtp_train.clp import LinearCLP
+
+    def fake_measure(decoder, prompts, max_new_tokens, mode, policy=None, bar=None):
+        t = None if policy is None else policy.threshold
+        return ({"tokens_per_s": 1.0, "tau": 1.0, "threshold": t}, [[1, 2]])
+
+    monkeypatch.setattr(cal, "measure_decode", fake_measure)
+    asked = []
+    _, rows = cal.sweep_thresholds(None, LinearCLP(8, 3), [[1]], [0.8, 0.9], 2, progress=False,
+                                   passes=lambda row, greedy: asked.append(row["threshold"]) or True)
+    assert asked == [0.9] and [r["threshold"] for r in rows] == [0.9, 0.8]
 
 
 @pytest.mark.bad_input

@@ -110,7 +110,7 @@ def sweep_thresholds(decoder, predictor: SpanPredictor, prompts: list[list[int]]
                    greedy_match_rate=sum(d is None for d in div) / len(div),
                    first_divergence=sum(diffs) / len(diffs) if diffs else None)
         rows.append(row)
-        if passes is not None and not passes(row, figures) and i + 1 < len(thresholds):
+        if passes is not None and i + 1 < len(thresholds) and not passes(row, figures):
             row["stopped_after"] = thresholds[i + 1:]
             bar.total -= len(prompts) * len(row["stopped_after"])  # the bar ends full
             bar.refresh()

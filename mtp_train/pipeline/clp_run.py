@@ -336,7 +336,8 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
                         "(accept no draft)", kind, list(c.thresholds), c.max_repetition_increase,
                         c.max_nll_increase, c.bound_z, len(prompts))
         meta.pop("not_calibrated", None)
-        meta.update(threshold=best["threshold"] if best else 1.0, calibrated=best is not None, calibration_hash=key,
+        meta.update(threshold=best["threshold"] if best else 1.0, calibrated=best is not None,
+                    calibration_hash=reusable_key(key, rows),
                     bounds={"max_repetition_increase": c.max_repetition_increase,
                             "max_nll_increase": c.max_nll_increase, "bound_z": c.bound_z},
                     calibration={"greedy": greedy, "thresholds": rows, "n_prompts": len(prompts)})
@@ -345,6 +346,13 @@ def stage_calibrate(cfg: Config, backbone, heads, decoder, out: Path) -> dict:
         results[kind] = {"threshold": meta["threshold"], "skipped": False}
         log.info("%s: threshold = %.2f%s", kind, meta["threshold"], "" if best else " (no threshold met the bounds)")
     return results
+
+
+def reusable_key(key: str, rows: list[dict]) -> str | None:
+    """The calibration key a finished sweep is saved under, for a rerun with the same settings to
+    skip it; None where the deadline stopped it before thresholds it would have decoded (a rerun with
+    more time decodes them)."""
+    return None if any(r.get("stopped_by_deadline") and r.get("stopped_after") for r in rows) else key
 
 
 def sweep_rule(bounds: tuple[float, float, float], room=None, next_decodes: int = 0):
