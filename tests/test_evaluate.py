@@ -403,6 +403,34 @@ def test_mtp_clp_then_eval_with_clp_gate_and_clp_verify(trained_heads, monkeypat
     assert set(metas) == {"clp"} and "problem" not in metas["clp"]
 
 
+@pytest.mark.integration
+def test_under_a_deadline_each_kind_asks_room_for_its_next_threshold_and_the_later_kinds_first(trained_heads,
+                                                                                             monkeypatch):
+    """The i-th of n kinds asks room for P * (n - i) decodes (P calibration prompts): its own next
+    threshold and the first threshold of every kind after it; the shared greedy reference is done."""
+    import time
+
+    import mtp_train.pipeline.clp_run as clp_run
+
+    root, asked = trained_heads, []
+    real = clp_run.sweep_rule
+
+    def spy(bounds, room=None, next_decodes=0):
+        asked.append(next_decodes)
+        assert room is not None  # the deadline's room is passed on
+        return real(bounds, room, next_decodes)
+
+    monkeypatch.setattr(clp_run, "sweep_rule", spy)
+    args = ["clp.label_source=decode", "clp.n_prompts=6", "clp.shard_prompts=3", "clp.max_new_tokens=16",
+            "clp.epochs=2", "clp.calib_prompts=2", "clp.thresholds=[0.9,0.5]", "eval.max_new_tokens=12",
+            f"clp.train_run={root}/train", "eval.modes=[verify,clp,gate]", f"budget.deadline={time.time() + 3600}",
+            f"paths.output_dir={root}/clp_room"]
+    res = clp_run.run_clp(_eval_cfg(root, *args))
+    assert not res["calibrate"]["clp"]["skipped"] and not res["calibrate"]["gate"]["skipped"]
+    n = json.loads((root / "clp_room" / "clp" / "predictor.json").read_text())["calibration"]["n_prompts"]
+    assert asked == [2 * n, n]
+
+
 class _Killed(Exception):
     pass
 
