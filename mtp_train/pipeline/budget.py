@@ -228,13 +228,10 @@ def kinds_to_calibrate(cfg: Config, rate: Rate, left_s: float, pending: list[str
     if not kinds:
         return [], why
 
-    def keeps_span_modes(seconds: float) -> bool:
-        return keeps_span_modes_in(cfg, rate, seconds)
-
     seconds = calibration_seconds(cfg, calibration_decodes(cfg, kinds), calibration_rate or rate)
-    if not keeps_span_modes(left_s):
+    if not keeps_span_modes_in(cfg, rate, left_s):
         cut = f"with {left_s / 60:.1f} min left the evaluation cuts their modes whatever calibration takes"
-    elif not keeps_span_modes(left_s - seconds):
+    elif not keeps_span_modes_in(cfg, rate, left_s - seconds):
         cut = (f"calibrating {kinds} ({seconds / 60:.1f} min predicted) would leave the evaluation "
                f"{(left_s - seconds) / 60:.1f} min, in which it cuts their modes")
     else:
