@@ -6,6 +6,7 @@ unseen prompts against HF generate. docs/training.md, "The peer's trainer", has 
     python bench/peer_side_by_side.py                    # the demo's data and EAGLE-3 cache, 4 epochs
     python bench/peer_side_by_side.py --epochs 8 --out runs/peer8
     python bench/peer_side_by_side.py --peer-optimizer muon    # the peer's own default optimizer
+    python bench/peer_side_by_side.py --engine                 # and each drafter served in vLLM's CPU build
 
 Needs `mtp-prep experiment=smollm2_demo stage=all` and `... heads=eagle3 stage=cache` (make demo and
 make serve-demo make them) and the reference environment (tests/reference/env.py builds it).
@@ -19,7 +20,10 @@ make serve-demo make them) and the reference environment (tests/reference/env.py
    (`<out>/ours_minutes`, train.time_budget_min): equal steps and equal CPU minutes;
 4. the peer's checkpoint is read back (`heads.from_speculators`, trainer.max_steps=0): validated by ours;
 5. mtp-eval decodes each on the same unseen prompts (verify and tree, greedy; HF generate in the
-   same process as the reference).
+   same process as the reference);
+6. with --engine, each drafter is also served in vLLM's CPU build (mtp-serve-check, mtp_train/engine/)
+   on the same unseen prompts: the engine's own mean acceptance length and its tokens/s with the
+   drafter over without, and whether its counters agree with our decoder's (needs `make engine-env`).
 Writes <out>/peer.{json,md}; a rerun skips what is done (each command's own checks).
 """
 
@@ -107,6 +111,33 @@ def heads_row(name: str, run: Path, eval_report: dict | None, wall_s: float, ste
     return row
 
 
+def engine_columns(result: dict) -> dict:
+    """The table's engine columns from a serve_check.json: the engine's mean acceptance length, its
+    tokens/s with the drafter over without (the same engine, the same prompts), whether its output
+    with the drafter equals its output without on every prompt, and whether its counters agree with
+    our decoder's (docs/serving.md)."""
+    without = result["engine_tok_s_without"]
+    return {"engine_tau": result["engine_tau"], "ours_chain_tau": result["ours_tau"],
+            "engine_accept": list(result["engine_accept_per_pos"]),
+            "engine_speedup": result["engine_tok_s_with_drafter"] / without if without else None,
+            "engine_lossless": bool(result["identical"]), "engine_agree": bool(result["agree"])}
+
+
+def engine_result(run: Path, n_prompts: int, max_new_tokens: int, rounds: int) -> dict:
+    """The run's drafter served in the engine: its serve_check.json where one with these settings is
+    there (a rerun skips it), else mtp-serve-check's check, run now."""
+    from mtp_train.engine.check import SERVE_CHECK_DIR, serve_check
+
+    done = run / SERVE_CHECK_DIR / "serve_check.json"
+    if done.is_file():
+        r = json.loads(done.read_text())
+        if (r.get("prompt_source"), r.get("n_prompts"), r.get("max_new_tokens"), r.get("rounds"), r.get("tampered")) == \
+                ("unseen", n_prompts, max_new_tokens, rounds, None):
+            return r
+    return serve_check(run, n_prompts=n_prompts, max_new_tokens=max_new_tokens, prompt_source="unseen",
+                       rounds=rounds)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/peer")
@@ -114,6 +145,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--peer-optimizer", default="adamw", choices=["adamw", "muon"])
     ap.add_argument("--peer-dtype", default=None, help="its --hidden-states-dtype (default: what ours trains in)")
     ap.add_argument("--no-decode", action="store_true", help="validation only")
+    ap.add_argument("--engine", action="store_true",
+                    help="also serve each drafter in vLLM's CPU build on the same unseen prompts (mtp-serve-check)")
+    ap.add_argument("--engine-rounds", type=int, default=1, help="the engine check's timing rounds")
     args, overrides = ap.parse_known_args(argv)
 
     from mtp_train.backbone import load_backbone
@@ -188,16 +222,27 @@ def main(argv: list[str]) -> int:
                                "peer": f"speculators.train ({args.peer_optimizer})"}[name],
                               Path(c.paths.output_dir), report, walls[name],
                               peer["steps"] if name == "peer" else None))
+        if args.engine:  # the decodes above and the engine's share the prompts: the eval's count and length
+            served = engine_result(Path(c.paths.output_dir), c.eval.n_prompts, c.eval.max_new_tokens,
+                                   args.engine_rounds)
+            rows[-1].update(engine_columns(served))
     fmt = lambda x, p=3: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"  # noqa: E731
     lines = [f"CPU: {cpu_line()}", f"data: {summary['train_rows']} training rows ({summary['train_tokens']:,} tokens), "
              f"draft vocabulary {summary['draft_vocab_size']}, peer: {args.epochs} epochs, {args.peer_dtype}", "",
              "| trainer | precision | steps | wall | val agree d1/d2/d3 | val sim_tau | verify tau | verify vs HF | "
              "tree tau | tree vs HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+    if args.engine:
+        lines[-2] += " engine tau | engine accepted per position | engine with / without drafter | lossless, agrees |"
+        lines[-1] += "---|---|---|---|"
     rows[-1]["precision"] = f"{args.peer_dtype} autocast"
     for r in rows:
         lines.append(f"| {r['trainer']} | {r['precision']} | {r['steps']} | {r['wall_s']:.0f} s | {' / '.join(fmt(a) for a in r['agree'])} | "
                      f"{fmt(r['sim_tau'])} | {fmt(r.get('verify_tau'), 2)} | {fmt(r.get('verify_speedup'), 2)}x | "
                      f"{fmt(r.get('tree_tau'), 2)} | {fmt(r.get('tree_speedup'), 2)}x |")
+        if args.engine:
+            lines[-1] += (f" {fmt(r['engine_tau'])} | {' / '.join(fmt(a) for a in r['engine_accept'])} | "
+                          f"{fmt(r['engine_speedup'], 2)}x | {'yes' if r['engine_lossless'] else 'NO'}, "
+                          f"{'yes' if r['engine_agree'] else 'NO'} |")
     (out / "peer.json").write_text(json.dumps({"rows": rows, "peer": peer, "summary": summary, "cpu": cpu_line(),
                                                "command": cmd}, indent=1))
     (out / "peer.md").write_text("\n".join(lines) + "\n")

@@ -176,3 +176,41 @@ def test_lora_bench_trains_frozen_and_lora_points_and_reports_the_drift(tmp_path
     assert all(r["verify_identical_to_greedy"] and r["tree_identical_to_greedy"] for r in rows.values())
     text = (tmp_path / "lora" / "lora.md").read_text()
     assert "| frozen |" in text and "| lora_adamtp |" in text and "CPU:" in text
+
+
+def _serve_check_json(**over) -> dict:
+    r = {"engine_tau": 1.42, "ours_tau": 1.41, "engine_accept_per_pos": [0.3, 0.1, 0.02],
+         "engine_tok_s_with_drafter": 15.0, "engine_tok_s_without": 12.0, "identical": True, "agree": True,
+         "prompt_source": "unseen", "n_prompts": 20, "max_new_tokens": 48, "rounds": 1, "tampered": None}
+    return {**r, **over}
+
+
+def test_peer_bench_engine_columns_read_the_engines_own_counters_and_speed():
+    from peer_side_by_side import engine_columns
+
+    cols = engine_columns(_serve_check_json())
+    assert cols["engine_tau"] == 1.42 and cols["ours_chain_tau"] == 1.41
+    assert cols["engine_accept"] == [0.3, 0.1, 0.02]
+    assert cols["engine_speedup"] == pytest.approx(15.0 / 12.0)
+    assert cols["engine_lossless"] is True and cols["engine_agree"] is True
+    cols = engine_columns(_serve_check_json(identical=False, agree=False, engine_tok_s_without=0.0))
+    assert cols["engine_lossless"] is False and cols["engine_agree"] is False and cols["engine_speedup"] is None
+
+
+def test_peer_bench_reuses_an_engine_check_only_with_the_same_prompts_and_rounds(tmp_path, monkeypatch):
+    import peer_side_by_side
+
+    from mtp_train.engine import check
+
+    calls = []
+    monkeypatch.setattr(check, "serve_check", lambda run, **kw: calls.append(kw) or _serve_check_json(fresh=True))
+    (tmp_path / check.SERVE_CHECK_DIR).mkdir()
+    (tmp_path / check.SERVE_CHECK_DIR / "serve_check.json").write_text(json.dumps(_serve_check_json()))
+    assert "fresh" not in peer_side_by_side.engine_result(tmp_path, 20, 48, 1) and not calls
+    for args in ((40, 48, 1), (20, 32, 1), (20, 48, 3)):  # another count, length or rounds: checked again
+        assert peer_side_by_side.engine_result(tmp_path, *args)["fresh"]
+    assert [(c["n_prompts"], c["max_new_tokens"], c["rounds"]) for c in calls] == [(40, 48, 1), (20, 32, 1), (20, 48, 3)]
+    assert all(c["prompt_source"] == "unseen" for c in calls)
+    for stale in (_serve_check_json(tampered="aux_layers"), _serve_check_json(prompt_source="validation")):
+        (tmp_path / check.SERVE_CHECK_DIR / "serve_check.json").write_text(json.dumps(stale))
+        assert peer_side_by_side.engine_result(tmp_path, 20, 48, 1)["fresh"]
