@@ -106,6 +106,10 @@ def test_a_speculators_drafter_is_read_back_as_a_runs_heads_and_scores_the_same(
     meta = json.loads((back / "heads.json").read_text())
     assert meta["recipe"]["steps"] == 0 and meta["recipe"]["from_speculators"]["dir"] == str(served.resolve())
     assert (back / "tree_stats.json").is_file()
+    # trained by the peer, not here (0 steps): it is still exported for the engines, as the same weights
+    again = export_for_engine(back, "eagle3", tmp_path / "served_again")
+    w0, w1 = load_file(str(served / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert set(w0) == set(w1) and all(torch.equal(w0[n], w1[n]) for n in w0)
     # a rerun is the finished run; other weights in the same folder make it another recipe
     assert run_train(cfg2) == metrics2
     w = load_file(str(served / "model.safetensors"))

@@ -78,7 +78,10 @@ def export_for_engine(run_dir: Path, fmt: str, out: Path | None = None) -> Path:
     if meta.get("head_type", family) != family:
         raise MtpError(f"{meta_file}: holds {meta.get('head_type')} heads, but the run's recipe says "
                        f"heads={family}; export them from the run that trained them")
-    trained = (meta.get("recipe") or {}).get("steps", 0) >= 1 or "exported_from" in (meta.get("metrics") or {})
+    recipe = meta.get("recipe") or {}
+    # trained here, exported from a checkpoint, or a drafter speculators trained, read back (heads.from_speculators)
+    trained = (recipe.get("steps", 0) >= 1 or "exported_from" in (meta.get("metrics") or {})
+               or bool(recipe.get("from_speculators")))
     if not trained:
         raise MtpError(f"{meta_file}: records no training step; these heads are untrained (run mtp-train)")
     return write_for_engine(heads, backbone, cfg.backbone, fmt, out, source=run_dir)
