@@ -19,8 +19,8 @@ make serve-demo make them) and the reference environment (tests/reference/env.py
 3. ours trains the same number of steps (`<out>/ours_steps`), and again for the peer's wall time
    (`<out>/ours_minutes`, train.time_budget_min): equal steps and equal CPU minutes;
 4. the peer's checkpoint is read back (`heads.from_speculators`, trainer.max_steps=0): validated by ours;
-5. mtp-eval decodes each on the same unseen prompts (verify and tree, greedy; HF generate in the
-   same process as the reference);
+5. mtp-eval decodes each on the same unseen prompts (`eval.prompt_source=unseen`; verify and tree,
+   greedy; HF generate in the same process as the reference);
 6. with --engine, each drafter is also served in vLLM's CPU build (mtp-serve-check, mtp_train/engine/)
    on the same unseen prompts: the engine's own mean acceptance length and its tokens/s with the
    drafter over without, and whether its counters agree with our decoder's (needs `make engine-env`).
@@ -124,12 +124,14 @@ def engine_columns(result: dict) -> dict:
 
 
 def engine_result(run: Path, n_prompts: int, max_new_tokens: int, rounds: int) -> dict:
-    """The run's drafter served in the engine: its serve_check.json where one with these settings is
-    there (a rerun skips it), else mtp-serve-check's check, run now."""
+    """The run's drafter served in the engine: its serve_check.json where one with these settings was
+    written after the heads were (a rerun skips it; retrained heads are checked again), else
+    mtp-serve-check's check, run now."""
     from mtp_train.engine.check import SERVE_CHECK_DIR, serve_check
 
     done = run / SERVE_CHECK_DIR / "serve_check.json"
-    if done.is_file():
+    weights = run / layout.HEADS_FILE
+    if done.is_file() and weights.is_file() and done.stat().st_mtime > weights.stat().st_mtime:
         r = json.loads(done.read_text())
         if (r.get("prompt_source"), r.get("n_prompts"), r.get("max_new_tokens"), r.get("rounds"), r.get("tampered")) == \
                 ("unseen", n_prompts, max_new_tokens, rounds, None):
@@ -215,7 +217,7 @@ def main(argv: list[str]) -> int:
     for name, c in runs.items():
         report = None
         if not args.no_decode:
-            ev = compose(f"eval.train_run={c.paths.output_dir}", "eval.modes=[verify,tree]",
+            ev = compose(f"eval.train_run={c.paths.output_dir}", "eval.modes=[verify,tree]", "eval.prompt_source=unseen",
                          "eval.sampling.temperatures=[]", f"paths.output_dir={c.paths.output_dir}/eval")
             report = run_eval(ev)
         rows.append(heads_row({"ours_steps": "ours, equal steps", "ours_minutes": "ours, equal minutes",
