@@ -24,7 +24,8 @@ make serve-demo make them) and the reference environment (tests/reference/env.py
 6. with --engine, each drafter is also served in vLLM's CPU build (mtp-serve-check, mtp_train/engine/)
    on the same unseen prompts: the engine's own mean acceptance length and its tokens/s with the
    drafter over without, and whether its counters agree with our decoder's (needs `make engine-env`).
-Writes <out>/peer.{json,md}; a rerun skips what is done (each command's own checks).
+Writes <out>/peer.{json,md}; a rerun skips what is done (each command's own checks); the peer's
+training is reused only for the same command, and other settings in the same --out are an error.
 """
 
 from __future__ import annotations
@@ -65,11 +66,37 @@ def peer_command(py: Path, verifier: Path, data: Path, summary: dict, cfg, args,
     return cmd
 
 
+def command_changes(old: list[str], new: list[str]) -> list[str]:
+    """`--flag old -> new` for each option whose values differ between two peer commands (flags
+    present in one only read `(none)`), or ["the command"] when they differ otherwise."""
+    def options(cmd: list[str]) -> dict[str, list[str]]:
+        out, key = {}, None
+        for a in cmd:
+            if a.startswith("--"):
+                key = a
+                out[key] = []
+            elif key is not None:
+                out[key].append(a)
+        return out
+
+    a, b = options(old), options(new)
+    changes = [f"{k} {' '.join(a.get(k, ['(none)'])) or '(set)'} -> {' '.join(b.get(k, ['(none)'])) or '(set)'}"
+               for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return changes or (["the command"] if old != new else [])
+
+
 def run_peer(cmd: list[str], save: Path, log: Path) -> dict:
-    """The peer's training (skipped when its final checkpoint and record exist): wall seconds, steps."""
+    """The peer's training (skipped when its record says it ran this very command): wall seconds,
+    steps. A record of another command (other epochs, optimizer, dtype, data) is an error that
+    names what changed: its checkpoint folders would be read as this run's."""
     record = save / "mtp_bench_record.json"
     if record.is_file():
-        return json.loads(record.read_text())
+        done = json.loads(record.read_text())
+        changes = command_changes(done.get("cmd") or [], cmd)
+        if not changes:
+            return done
+        raise SystemExit(f"{save} holds the peer's training for other settings ({'; '.join(changes)}): "
+                         "remove that folder or pass another --out")
     save.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log, "w") as f:
@@ -91,7 +118,7 @@ def run_peer(cmd: list[str], save: Path, log: Path) -> dict:
         if n > bars.get(e, (0, 0))[0]:
             bars[e] = (n, secs)
     out = {"wall_s": round(wall, 1), "steps": int(json.loads((last / "training_state.json").read_text())["global_step"]),
-           "train_loop_s": sum(s for _, s in bars.values()) or None, "checkpoint": str(last)}
+           "train_loop_s": sum(s for _, s in bars.values()) or None, "checkpoint": str(last), "cmd": cmd}
     record.write_text(json.dumps(out))
     return out
 

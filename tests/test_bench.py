@@ -224,3 +224,28 @@ def test_peer_bench_reuses_an_engine_check_only_with_the_same_prompts_and_rounds
     for stale in (_serve_check_json(tampered="aux_layers"), _serve_check_json(prompt_source="validation")):
         (tmp_path / check.SERVE_CHECK_DIR / "serve_check.json").write_text(json.dumps(stale))
         assert peer_side_by_side.engine_result(tmp_path, 20, 48, 1)["fresh"]
+
+
+def test_peer_bench_reuses_the_peers_training_only_for_the_same_command(tmp_path, monkeypatch):
+    import subprocess
+
+    import peer_side_by_side
+
+    def no_run(*a, **kw):
+        raise AssertionError("the peer's trainer must not run again")
+
+    monkeypatch.setattr(subprocess, "run", no_run)
+    cmd = ["python", "train.py", "--epochs", "2", "--optimizer", "adamw", "--no-resume-from-checkpoint"]
+    save = tmp_path / "peer"
+    save.mkdir()
+    record = {"wall_s": 12.0, "steps": 240, "train_loop_s": 10, "checkpoint": str(save / "1"), "cmd": cmd}
+    (save / "mtp_bench_record.json").write_text(json.dumps(record))
+    assert peer_side_by_side.run_peer(list(cmd), save, tmp_path / "peer.log") == record
+    with pytest.raises(SystemExit, match=r"--epochs 2 -> 4.*another --out"):
+        peer_side_by_side.run_peer([*cmd[:3], "4", *cmd[4:]], save, tmp_path / "peer.log")
+    with pytest.raises(SystemExit, match=r"--muon \(none\) -> \(set\)"):
+        peer_side_by_side.run_peer([*cmd, "--muon"], save, tmp_path / "peer.log")
+    del record["cmd"]  # a record that does not say what ran is not reused either
+    (save / "mtp_bench_record.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="other settings"):
+        peer_side_by_side.run_peer(list(cmd), save, tmp_path / "peer.log")
