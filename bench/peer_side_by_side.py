@@ -160,7 +160,9 @@ def engine_result(run: Path, n_prompts: int, max_new_tokens: int, rounds: int) -
     weights = run / layout.HEADS_FILE
     if done.is_file() and weights.is_file() and done.stat().st_mtime > weights.stat().st_mtime:
         r = json.loads(done.read_text())
-        if (r.get("prompt_source"), r.get("n_prompts"), r.get("max_new_tokens"), r.get("rounds"), r.get("tampered")) == \
+        # n_prompts_asked: the count asked for (the source may hold fewer unseen prompts than that)
+        asked = r.get("n_prompts_asked", r.get("n_prompts"))
+        if (r.get("prompt_source"), asked, r.get("max_new_tokens"), r.get("rounds"), r.get("tampered")) == \
                 ("unseen", n_prompts, max_new_tokens, rounds, None):
             return r
     return serve_check(run, n_prompts=n_prompts, max_new_tokens=max_new_tokens, prompt_source="unseen",

@@ -221,6 +221,11 @@ def test_peer_bench_reuses_an_engine_check_only_with_the_same_prompts_and_rounds
         assert peer_side_by_side.engine_result(tmp_path, *args)["fresh"]
     assert [(c["n_prompts"], c["max_new_tokens"], c["rounds"]) for c in calls] == [(40, 48, 1), (20, 32, 1), (20, 48, 3)]
     assert all(c["prompt_source"] == "unseen" for c in calls)
+    # the source held fewer unseen prompts than asked: the check records both, and is reused for the same ask
+    done.write_text(json.dumps(_serve_check_json(n_prompts=17, n_prompts_asked=20)))
+    calls.clear()
+    assert "fresh" not in peer_side_by_side.engine_result(tmp_path, 20, 48, 1) and not calls
+    assert peer_side_by_side.engine_result(tmp_path, 17, 48, 1)["fresh"]
     for stale in (_serve_check_json(tampered="aux_layers"), _serve_check_json(prompt_source="validation")):
         (tmp_path / check.SERVE_CHECK_DIR / "serve_check.json").write_text(json.dumps(stale))
         assert peer_side_by_side.engine_result(tmp_path, 20, 48, 1)["fresh"]

@@ -357,7 +357,8 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
     why = causes(ours_tau, engine_tau, ours_pos, engine_pos, heads_aux, engine_aux, identical)
     result = {
         "run": str(run_dir.resolve()), "format": fmt, "k": k, "engine": engine, "cpu": cpu_model(),
-        "cpu_flags": sorted(flags), "n_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "cpu_flags": sorted(flags), "n_prompts": len(prompts), "n_prompts_asked": n_prompts,
+        "max_new_tokens": max_new_tokens,
         "prompt_source": "file" if prompts_file else prompt_source, "rounds": rounds, "dtype": "float32",
         "tampered": tampered,
         "identical": identical,
