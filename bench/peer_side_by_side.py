@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from mtp_train import layout
+from mtp_train.artifacts import write_json_atomic
 from mtp_train.cli.common import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,35 +69,47 @@ def peer_command(py: Path, verifier: Path, data: Path, summary: dict, cfg, args,
 
 def command_changes(old: list[str], new: list[str]) -> list[str]:
     """`--flag old -> new` for each option whose values differ between two peer commands (flags
-    present in one only read `(none)`), or ["the command"] when they differ otherwise."""
+    present in one only read `(none)`, flags without values `(set)`; the program and script before
+    the first flag are `(program)`), or ["the order of the options"] when only that differs."""
     def options(cmd: list[str]) -> dict[str, list[str]]:
-        out, key = {}, None
+        key = "(program)"
+        out: dict[str, list[str]] = {key: []}
         for a in cmd:
             if a.startswith("--"):
                 key = a
                 out[key] = []
-            elif key is not None:
+            else:
                 out[key].append(a)
         return out
 
+    def shown(values: list[str] | None) -> str:
+        return "(none)" if values is None else " ".join(values) or "(set)"
+
     a, b = options(old), options(new)
-    changes = [f"{k} {' '.join(a.get(k, ['(none)'])) or '(set)'} -> {' '.join(b.get(k, ['(none)'])) or '(set)'}"
-               for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-    return changes or (["the command"] if old != new else [])
+    changes = [f"{k} {shown(a.get(k))} -> {shown(b.get(k))}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return changes or (["the order of the options"] if old != new else [])
 
 
 def run_peer(cmd: list[str], save: Path, log: Path) -> dict:
     """The peer's training (skipped when its record says it ran this very command): wall seconds,
-    steps. A record of another command (other epochs, optimizer, dtype, data) is an error that
-    names what changed: its checkpoint folders would be read as this run's."""
+    steps. A record of another command (other epochs, optimizer, dtype, data path), or checkpoints
+    without a record (an interrupted run), is an error that names the problem: the peer numbers its
+    checkpoint folders by epoch and the highest is read as the result, so old ones would pass for
+    this run's."""
     record = save / "mtp_bench_record.json"
     if record.is_file():
         done = json.loads(record.read_text())
-        changes = command_changes(done.get("cmd") or [], cmd)
+        if "cmd" not in done:
+            raise SystemExit(f"{save}: its record does not say which command trained it (written before the "
+                             "bench recorded it): remove that folder or pass another --out")
+        changes = command_changes(done["cmd"], cmd)
         if not changes:
             return done
         raise SystemExit(f"{save} holds the peer's training for other settings ({'; '.join(changes)}): "
                          "remove that folder or pass another --out")
+    if stale := sorted(str(p.parent) for p in save.glob("*/model.safetensors")):
+        raise SystemExit(f"{save} holds checkpoints without a record of what trained them ({', '.join(stale)}; "
+                         "an interrupted run?): remove that folder or pass another --out")
     save.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log, "w") as f:
@@ -119,7 +132,7 @@ def run_peer(cmd: list[str], save: Path, log: Path) -> dict:
             bars[e] = (n, secs)
     out = {"wall_s": round(wall, 1), "steps": int(json.loads((last / "training_state.json").read_text())["global_step"]),
            "train_loop_s": sum(s for _, s in bars.values()) or None, "checkpoint": str(last), "cmd": cmd}
-    record.write_text(json.dumps(out))
+    write_json_atomic(record, out)
     return out
 
 

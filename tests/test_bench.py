@@ -250,7 +250,15 @@ def test_peer_bench_reuses_the_peers_training_only_for_the_same_command(tmp_path
         peer_side_by_side.run_peer([*cmd[:3], "4", *cmd[4:]], save, tmp_path / "peer.log")
     with pytest.raises(SystemExit, match=r"--muon \(none\) -> \(set\)"):
         peer_side_by_side.run_peer([*cmd, "--muon"], save, tmp_path / "peer.log")
+    with pytest.raises(SystemExit, match=r"\(program\) python train.py -> python3 train.py"):
+        peer_side_by_side.run_peer(["python3", *cmd[1:]], save, tmp_path / "peer.log")
     del record["cmd"]  # a record that does not say what ran is not reused either
     (save / "mtp_bench_record.json").write_text(json.dumps(record))
-    with pytest.raises(SystemExit, match="other settings"):
+    with pytest.raises(SystemExit, match="does not say which command"):
+        peer_side_by_side.run_peer(list(cmd), save, tmp_path / "peer.log")
+    # checkpoints without a record (an interrupted run): not read as this run's
+    (save / "mtp_bench_record.json").unlink()
+    (save / "4").mkdir()
+    (save / "4" / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(SystemExit, match=r"checkpoints without a record.*peer/4"):
         peer_side_by_side.run_peer(list(cmd), save, tmp_path / "peer.log")
