@@ -165,19 +165,17 @@ def engine_columns(result: dict) -> dict:
 
 def engine_result(run: Path, n_prompts: int, max_new_tokens: int, rounds: int) -> dict:
     """The run's drafter served in the engine: its serve_check.json where one with these settings was
-    written after the heads were (a rerun skips it; retrained heads are checked again), else
-    mtp-serve-check's check, run now."""
-    from mtp_train.engine.check import SERVE_CHECK_DIR, serve_check
+    made on the heads the run holds now (the weights' sha256 heads.json records: a rerun skips it,
+    retrained heads are checked again), else mtp-serve-check's check, run now."""
+    from mtp_train.artifacts import read_json
+    from mtp_train.engine.check import SERVE_CHECK, SERVE_CHECK_DIR, serve_check
 
-    done = run / SERVE_CHECK_DIR / "serve_check.json"
-    weights = run / layout.HEADS_FILE
-    if done.is_file() and weights.is_file() and done.stat().st_mtime > weights.stat().st_mtime:
-        r = json.loads(done.read_text())
-        # n_prompts_asked: the count asked for (the source may hold fewer unseen prompts than that)
-        asked = r.get("n_prompts_asked", r.get("n_prompts"))
-        if (r.get("prompt_source"), asked, r.get("max_new_tokens"), r.get("rounds"), r.get("tampered")) == \
-                ("unseen", n_prompts, max_new_tokens, rounds, None):
-            return r
+    r = read_json(run / SERVE_CHECK_DIR / SERVE_CHECK) or {}
+    heads_sha = (read_json(run / layout.HEADS_META) or {}).get("weights_sha256")
+    # n_prompts_asked, not n_prompts: the source may hold fewer unseen prompts than were asked for
+    if heads_sha and [r.get(k) for k in ("heads_sha256", "prompt_source", "n_prompts_asked", "max_new_tokens",
+                                         "rounds", "tampered")] == [heads_sha, "unseen", n_prompts, max_new_tokens, rounds, None]:
+        return r
     return serve_check(run, n_prompts=n_prompts, max_new_tokens=max_new_tokens, prompt_source="unseen",
                        rounds=rounds)
 

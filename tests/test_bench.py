@@ -181,7 +181,8 @@ def test_lora_bench_trains_frozen_and_lora_points_and_reports_the_drift(tmp_path
 def _serve_check_json(**over) -> dict:
     r = {"engine_tau": 1.42, "ours_tau": 1.41, "engine_accept_per_pos": [0.3, 0.1, 0.02],
          "engine_tok_s_with_drafter": 15.0, "engine_tok_s_without": 12.0, "identical": True, "agree": True,
-         "prompt_source": "unseen", "n_prompts": 20, "max_new_tokens": 48, "rounds": 1, "tampered": None}
+         "prompt_source": "unseen", "n_prompts": 20, "n_prompts_asked": 20, "max_new_tokens": 48, "rounds": 1,
+         "tampered": None, "heads_sha256": "aaa"}
     return {**r, **over}
 
 
@@ -198,25 +199,23 @@ def test_peer_bench_engine_columns_read_the_engines_own_counters_and_speed():
 
 
 def test_peer_bench_reuses_an_engine_check_only_with_the_same_prompts_and_rounds(tmp_path, monkeypatch):
-    import os
-
     import peer_side_by_side
 
+    from mtp_train import layout
     from mtp_train.engine import check
 
     calls = []
     monkeypatch.setattr(check, "serve_check", lambda run, **kw: calls.append(kw) or _serve_check_json(fresh=True))
-    weights = tmp_path / "heads.safetensors"
-    weights.write_bytes(b"heads")
-    os.utime(weights, (1_000, 1_000))
+    meta = tmp_path / layout.HEADS_META
+    meta.write_text(json.dumps({"weights_sha256": "aaa"}))
     (tmp_path / check.SERVE_CHECK_DIR).mkdir()
     done = tmp_path / check.SERVE_CHECK_DIR / "serve_check.json"
     done.write_text(json.dumps(_serve_check_json()))
     assert "fresh" not in peer_side_by_side.engine_result(tmp_path, 20, 48, 1) and not calls
-    os.utime(weights, (done.stat().st_mtime + 10,) * 2)  # heads trained again after the check: checked again
+    meta.write_text(json.dumps({"weights_sha256": "bbb"}))  # heads trained again after the check: checked again
     assert peer_side_by_side.engine_result(tmp_path, 20, 48, 1)["fresh"]
     calls.clear()
-    os.utime(weights, (1_000, 1_000))
+    meta.write_text(json.dumps({"weights_sha256": "aaa"}))
     for args in ((40, 48, 1), (20, 32, 1), (20, 48, 3)):  # another count, length or rounds: checked again
         assert peer_side_by_side.engine_result(tmp_path, *args)["fresh"]
     assert [(c["n_prompts"], c["max_new_tokens"], c["rounds"]) for c in calls] == [(40, 48, 1), (20, 32, 1), (20, 48, 3)]

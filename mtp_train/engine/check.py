@@ -291,7 +291,7 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
 
     backbone = load_backbone(cfg.backbone)
     check_head_size(backbone.config, f"{run_dir}: the backbone")
-    heads, _ = load_heads(run_dir, backbone)
+    heads, heads_meta = load_heads(run_dir, backbone)
     backbone.model.to(torch.float32)
     heads.to(torch.float32)
     tampered = None
@@ -358,7 +358,7 @@ def serve_check(run_dir: Path, *, n_prompts: int = 20, max_new_tokens: int = 48,
     result = {
         "run": str(run_dir.resolve()), "format": fmt, "k": k, "engine": engine, "cpu": cpu_model(),
         "cpu_flags": sorted(flags), "n_prompts": len(prompts), "n_prompts_asked": n_prompts,
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": max_new_tokens, "heads_sha256": heads_meta.get("weights_sha256"),
         "prompt_source": "file" if prompts_file else prompt_source, "rounds": rounds, "dtype": "float32",
         "tampered": tampered,
         "identical": identical,
